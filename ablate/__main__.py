@@ -1,0 +1,3 @@
+from ablate.cli import main
+
+main()

@@ -1,0 +1,47 @@
+"""kv_cache=none: keep nothing, so every step recomputes each sequence's whole prefix."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ablate.batch import StepInputs
+from ablate.interfaces import KVCache
+from ablate.kv_view import PackedKV
+from ablate.plugin import PluginConfig
+from ablate.request import Sequence
+
+
+@dataclass
+class NoKVCacheConfig(PluginConfig):
+    name: str = "none"
+
+
+class NoKVCache(KVCache):
+    name = "none"
+    config_class = NoKVCacheConfig
+    keeps_kv = False   # the runner feeds tokens[0 : n] every step instead of the new ones only
+
+    def can_admit(self, seq: Sequence) -> bool:
+        return True
+
+    def admit(self, seq: Sequence) -> None:
+        pass
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        self._lengths.pop(seq.seq_id, None)
+
+    def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._step_kv = PackedKV(k, v)   # lives for this layer's attention only
+
+    def view(self, layer: int, step: StepInputs) -> PackedKV:
+        return self._step_kv
+
+    def bytes_reserved(self) -> int:
+        return 0
+
+    def bytes_used(self) -> int:
+        return 0

@@ -1,0 +1,45 @@
+"""`python -m ablate ...`: Hydra composes the config; `python -m ablate plugins` lists the plugins."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ablate.registry import default_registry, register_configs
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"   # the repository's conf/
+
+
+def list_plugins() -> None:
+    rows = default_registry().table()
+    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in ("slot", "name", "source", "status")}
+    print("  ".join(k.ljust(w) for k, w in widths.items()))
+    for r in rows:
+        print("  ".join(str(r[k]).ljust(w) for k, w in widths.items()))
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["plugins"]:
+        list_plugins()
+        return
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from ablate.job import run_job
+
+    registry = default_registry()
+    register_configs(registry)
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+    def job(cfg: DictConfig) -> None:
+        raw = OmegaConf.to_container(cfg, resolve=True)
+        sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
+        run_job(raw, registry, swallow_errors=sweeping)
+
+    job()
+
+
+if __name__ == "__main__":
+    main()

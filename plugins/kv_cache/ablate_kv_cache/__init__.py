@@ -1,0 +1,1 @@
+"""KV caches that keep every sequence's keys and values in one row (slot) of a dense buffer."""

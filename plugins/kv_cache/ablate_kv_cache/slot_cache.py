@@ -1,0 +1,103 @@
+"""Shared by contiguous and dynamic: each sequence owns one row of a (slots, capacity) buffer.
+
+Writes go through one flat index per step (slot * capacity + position, as nano-vllm's slot
+mapping), so a step that mixes prefill chunks and decode tokens is one index_copy_ per layer.
+Reads hand attention the batch's rows: a free view when their slots are consecutive.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from ablate.batch import StepInputs
+from ablate.build import BuildContext
+from ablate.interfaces import KVCache
+from ablate.kv_view import PaddedKV
+from ablate.plugin import PluginConfig
+from ablate.request import Sequence
+
+
+@dataclass
+class SlotCacheConfig(PluginConfig):
+    budget_bytes: int = 0     # most bytes of K/V the cache may hold; 0: no limit beyond the slots
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes < 0:
+            raise ValueError(f"kv_cache.budget_bytes must be >= 0, got {self.budget_bytes}")
+
+
+class SlotKVCache(KVCache):
+    stats_keys = ("kv_slots", "kv_capacity_tokens", "kv_peak_reserved_bytes")
+
+    def __init__(self, config: SlotCacheConfig, ctx: BuildContext) -> None:
+        super().__init__(config, ctx)
+        self.slot_of: dict[int, int] = {}
+        self.free_slots: list[int] = []          # a heap: the lowest free slot first keeps rows together
+        self.k = self.v = torch.empty(0)
+        self.peak_reserved = 0
+        self._allocate(0, 0)
+
+    # -- storage -----------------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def _allocate(self, num_slots: int, capacity: int) -> None:
+        """(Re)allocate to (layers, slots, capacity, H_kv, D), keeping what is stored."""
+        s = self.spec
+        new_k = torch.zeros(s.num_layers, num_slots, capacity, s.n_kv_heads, s.k_head_dim, dtype=s.dtype, device=s.device)
+        new_v = torch.zeros(s.num_layers, num_slots, capacity, s.n_kv_heads, s.v_head_dim, dtype=s.dtype, device=s.device)
+        old_slots, old_cap = (self.k.shape[1], self.k.shape[2]) if self.k.dim() == 5 else (0, 0)
+        if old_slots and old_cap:
+            new_k[:, :old_slots, :old_cap] = self.k
+            new_v[:, :old_slots, :old_cap] = self.v
+        self.free_slots = sorted(set(self.free_slots) | set(range(old_slots, num_slots)))
+        self.k, self.v = new_k, new_v
+        self.peak_reserved = max(self.peak_reserved, self.bytes_reserved())
+
+    def bytes_reserved(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def bytes_per_slot(self, capacity: int) -> int:
+        return capacity * self.spec.bytes_per_token
+
+    # -- admission ---------------------------------------------------------------------------------
+    def admit(self, seq: Sequence) -> None:
+        if not self.free_slots:
+            raise RuntimeError(f"admit(seq {seq.seq_id}) without room: call can_admit first")
+        self.slot_of[seq.seq_id] = heapq.heappop(self.free_slots)
+
+    def release(self, seq: Sequence) -> None:
+        slot = self.slot_of.pop(seq.seq_id, None)
+        if slot is not None:
+            heapq.heappush(self.free_slots, slot)
+        self._lengths.pop(seq.seq_id, None)
+
+    # -- per step ----------------------------------------------------------------------------------
+    def prepare(self, step: StepInputs) -> None:
+        super().prepare(step)
+        slots = [self.slot_of[s.seq_id] for s in step.seqs]
+        device = self.spec.device
+        slots_t = torch.tensor(slots, device=device)
+        per_token_slot = slots_t.repeat_interleave(torch.tensor(step.query_lens, device=device))   # (T,)
+        self._write_index = per_token_slot * self.capacity + step.positions                        # (T,)
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        self._rows = slice(slots[0], slots[0] + len(slots)) if consecutive else slots_t
+
+    def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v (T, H_kv, D) -> rows of the flattened (slots * capacity, H_kv, D) buffer
+        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, self._write_index, k)
+        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, self._write_index, v)
+
+    def view(self, layer: int, step: StepInputs) -> PaddedKV:
+        return PaddedKV(self.k[layer][self._rows], self.v[layer][self._rows])   # (B, capacity, H_kv, D)
+
+    def stats(self) -> dict[str, float]:
+        return {"kv_slots": self.num_slots, "kv_capacity_tokens": self.capacity,
+                "kv_peak_reserved_bytes": self.peak_reserved}

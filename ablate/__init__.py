@@ -1,0 +1,1 @@
+"""ablate: measure what each LLM-inference technique buys, alone and in combination."""

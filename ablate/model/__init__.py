@@ -1,0 +1,1 @@
+"""The Llama-family decoder and its named shapes."""

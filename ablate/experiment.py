@@ -32,6 +32,9 @@ from ablate.stats import NOISY_CV, coefficient_of_variation, ratio_summary
 from ablate.workload import WorkloadConfig, make_requests
 
 
+WARMUP_TOKENS = 8
+
+
 @dataclass
 class ExperimentConfig:
     name: str = "default"
@@ -39,7 +42,7 @@ class ExperimentConfig:
     arms: dict[str, Any] = field(default_factory=dict)   # name -> {slot: plugin | {name, options}}
     baseline: str = ""                    # the arm speedups are relative to; "" -> the first
     repeats: int = 3
-    warmup: int = 1                       # warm-up runs per arm (excluded from the figures)
+    warmup: int = 1                       # warm-up runs per arm, WARMUP_TOKENS each (excluded)
     grid: dict[str, list] = field(default_factory=dict)  # workload field -> values, one point each
     recorder: bool = True                 # False: time the runs with no hooks at all
     ttft_slo_ms: float | None = None      # goodput: requests meeting every SLO given
@@ -157,6 +160,8 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
             for arm in order:
                 model = model_for(arm)
                 requests = make_requests(wl, model.config.vocab_size)
+                if repeat < 0:   # warm-up: the same prompts, a few tokens each, is enough to warm up
+                    requests = [replace(r, max_new_tokens=min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests]
                 run = run_once(arm, model, requests, engine_cfg, registry, peaks, exp.recorder)
                 done += 1
                 progress(f"[{done}/{total}] {_point_label(point)} arm={arm.name} "

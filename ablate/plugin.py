@@ -50,7 +50,7 @@ class Plugin:
     def __init__(self, config: PluginConfig, ctx: BuildContext) -> None:
         self.config = config
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | str]:
         """Technique-specific figures for the results (stable keys: `stats_keys`)."""
         return {}
 

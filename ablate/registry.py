@@ -77,7 +77,7 @@ class Registry:
 
 def _load(ep: EntryPoint) -> PluginInfo:
     source = ep.dist.name if ep.dist is not None else "?"
-    info = PluginInfo(ep.name, ep.value, source, "loaded")
+    info = PluginInfo(ep.name, ep.value, source, "loaded", *_declared(ep.name))
     try:
         cls = ep.load()
     except Exception as err:   # a broken plugin must not break the others
@@ -89,6 +89,13 @@ def _load(ep: EntryPoint) -> PluginInfo:
         return info
     info.slot, info.name, info.cls = cls.slot.value, cls.name, cls
     return info
+
+
+def _declared(entry_point: str) -> tuple[str, str]:
+    """The slot and name an entry point `slot.name` declares: what the listing shows for a plugin
+    that is blocked or failed to load (one that loads shows its class's own slot and name)."""
+    slot, dot, name = entry_point.partition(".")
+    return (slot, name) if dot else ("?", entry_point)
 
 
 def _check_plugin_class(cls: object) -> str | None:
@@ -114,7 +121,7 @@ def discover(blocked: tuple[str, ...] = ()) -> Registry:
     seen: dict[tuple[str, str], PluginInfo] = {}
     for ep in sorted(entry_points(group=GROUP), key=lambda e: (e.name, e.value)):
         if ep.name in blocked:
-            infos.append(PluginInfo(ep.name, ep.value, ep.dist.name if ep.dist else "?", "blocked"))
+            infos.append(PluginInfo(ep.name, ep.value, ep.dist.name if ep.dist else "?", "blocked", *_declared(ep.name)))
             continue
         info = _load(ep)
         key = (info.slot, info.name)

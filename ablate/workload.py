@@ -46,6 +46,12 @@ class WorkloadConfig:
             raise ValueError("workload.rate and workload.burstiness must be > 0")
         if self.prompt_spread >= self.prompt_len and self.prompt_dist == "uniform":
             raise ValueError("workload.prompt_spread must be smaller than workload.prompt_len")
+        if self.output_spread >= self.output_len and self.output_dist == "uniform":
+            raise ValueError("workload.output_spread must be smaller than workload.output_len")
+        if self.temperature < 0:
+            raise ValueError(f"workload.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"workload.top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def max_output_len(self) -> int:

@@ -23,6 +23,9 @@ class ModelConfig:
     d_ff: int = 176                    # SwiGLU hidden width
     vocab_size: int = 256
     rope_base: float = 10_000.0        # RoPE frequency base theta
+    # Llama 3.1+ long-context RoPE (Hugging Face's rope_type "llama3"): None = off, else the keys
+    # factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    rope_llama3_scaling: dict[str, float] | None = None
     norm_eps: float = 1e-5             # RMSNorm epsilon
     tied_embeddings: bool = True       # LM head shares the token embedding matrix
     qkv_bias: bool = False             # Qwen2 has biases on the Q, K, V projections
@@ -36,11 +39,19 @@ class ModelConfig:
     architecture: str = "llama"        # llama | gpt (shape-only GPT-3: learned positions, GELU MLP)
 
     def __post_init__(self) -> None:
+        if self.n_heads <= 0:   # before head_dim = d_model // n_heads divides by it
+            raise ValueError(f"model.n_heads must be positive, got {self.n_heads}")
         if self.head_dim == 0:
             self.head_dim = self.d_model // self.n_heads
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.architecture not in ("llama", "gpt"):
+            raise ValueError(f"model.architecture must be 'llama' or 'gpt', got {self.architecture!r}")
+        if self.architecture == "llama" and self.head_dim % 2:
+            raise ValueError(f"model.head_dim must be even (RoPE rotates pairs of dimensions), got {self.head_dim}")
+        if not self.rope_base > 0:
+            raise ValueError(f"model.rope_base must be positive, got {self.rope_base}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"

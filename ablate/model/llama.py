@@ -37,29 +37,48 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x / sqrt(mean(x^2) + eps) * w, computed in fp32 as the reference implementations do
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x32.to(x.dtype) * self.weight
+        # x / sqrt(mean(x^2) + eps) * w, normalised in fp32 as the reference implementations do
+        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
+
+
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling, as Hugging Face's `_compute_llama3_parameters`: with wavelength
+    w = 2 pi / f and L the original context, frequencies with w < L / high_freq_factor are kept,
+    those with w > L / low_freq_factor are divided by `factor`, and in between
+    f' = (1 - s) f / factor + s f with s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = ((old_context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE, "rotate-half" layout: dims (i, i + D/2) form the i-th rotating pair."""
+    """RoPE, "rotate-half" layout (as Hugging Face's Llama): dims i and i + D/2 rotate together.
 
-    def __init__(self, head_dim: int, max_seq_len: int, base: float) -> None:
+    x' = x cos(p w) + rotate_half(x) sin(p w), rotate_half(x1, x2) = (-x2, x1), w_i = base^(-2i/D).
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, base: float,
+                 llama3_scaling: dict[str, float] | None = None) -> None:
         super().__init__()
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)   # (D/2,)
+        if llama3_scaling:
+            inv_freq = llama3_scaled_inv_freq(inv_freq, llama3_scaling)
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)             # (S, D/2)
+        angles = torch.cat((angles, angles), dim=-1)                                               # (S, D)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x (T, H, D): (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
-        cos = self.cos[positions].unsqueeze(1)          # (T, 1, D/2)
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)             # (T, H, D/2) each
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, 1, D) for this step's positions, computed once and shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (T, H, D); cos, sin (T, 1, D)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class SelfAttention(nn.Module):
@@ -72,12 +91,12 @@ class SelfAttention(nn.Module):
         self.wqkv = nn.Linear(cfg.d_model, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.q_size, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, fwd: Forward) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.wqkv(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = rope(q.view(t, self.n_heads, self.head_dim), fwd.step.positions)       # (T, H, D)
-        k = rope(k.view(t, self.n_kv_heads, self.head_dim), fwd.step.positions)    # (T, H_kv, D)
-        v = v.view(t, self.n_kv_heads, self.head_dim)                              # (T, H_kv, D)
+        q = apply_rope(q.view(t, self.n_heads, self.head_dim), *rope)       # (T, H, D)
+        k = apply_rope(k.view(t, self.n_kv_heads, self.head_dim), *rope)    # (T, H_kv, D)
+        v = v.view(t, self.n_kv_heads, self.head_dim)                       # (T, H_kv, D)
         fwd.kv_cache.write(self.layer, fwd.step, k, v)
         out = fwd.attention(q, fwd.kv_cache.view(self.layer, fwd.step), fwd.step)  # (T, H, D)
         return self.wo(out.reshape(t, self.q_size))
@@ -103,7 +122,7 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, fwd: Forward) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, fwd)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -123,14 +142,15 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tied_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, cfg.rope_llama3_scaling)
 
     @torch.inference_mode()
     def forward(self, fwd: Forward) -> torch.Tensor:
         """Packed tokens -> final hidden states (T, d_model)."""
         x = self.embed(fwd.step.input_ids)                 # (T, d)
+        rope = self.rope.tables(fwd.step.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, self.rope, fwd)
+            x = layer(x, rope, fwd)
         return self.norm(x)
 
     @torch.inference_mode()
@@ -148,7 +168,7 @@ class LlamaModel(nn.Module):
         model = model.to_empty(device="cpu")
         if cfg.tied_embeddings:               # to_empty gives each module its own copy: tie again
             model.lm_head.weight = model.embed.weight
-        model.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
+        model.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, cfg.rope_llama3_scaling)
         return model
 
     @classmethod

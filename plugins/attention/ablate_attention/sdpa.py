@@ -1,0 +1,63 @@
+"""attention=sdpa: PyTorch's scaled_dot_product_attention, recording the backend it picked.
+
+Causal prefill of sequences with no history uses is_causal (eligible for the fused flash kernels);
+anything else (decode, chunks after a prefix, ragged batches) passes the boolean mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ablate.baselines.naive_attention import causal_mask, pad_queries, unpad_queries
+from ablate.batch import StepInputs
+from ablate.interfaces import Attention
+from ablate.kv_view import KVView
+from ablate.plugin import PluginConfig
+
+
+@dataclass
+class SDPAConfig(PluginConfig):
+    name: str = "sdpa"
+
+
+def sdpa_backend(q, k, v, mask, is_causal: bool) -> str:
+    """The backend PyTorch's dispatcher chooses for these inputs (flash, efficient, cudnn, math...)."""
+    try:
+        from torch.nn.attention import SDPBackend
+        choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, enable_gqa=True)
+        return SDPBackend(choice).name.lower()
+    except Exception:   # a private API: if it moves, say so rather than guess
+        return "unknown"
+
+
+class SDPAAttention(Attention):
+    name = "sdpa"
+    config_class = SDPAConfig
+    stats_keys = ("backends",)
+
+    def __init__(self, config: SDPAConfig, ctx) -> None:
+        super().__init__(config, ctx)
+        self.backends: dict[str, str] = {}    # kind of step (decode, causal, masked) -> backend
+
+    @property
+    def backend(self) -> str:
+        picked = ",".join(f"{kind}={b}" for kind, b in sorted(self.backends.items()))
+        return f"sdpa({picked})" if picked else "sdpa"
+
+    def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs) -> torch.Tensor:
+        k, v = view.padded(step)                                     # (B, S, H_kv, D)
+        qp = pad_queries(q, step).transpose(1, 2)                    # (B, H, Lq, D)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)                  # (B, H_kv, S, D)
+        no_history = all(ql == cl for ql, cl in zip(step.query_lens, step.context_lens))
+        is_causal = no_history and len(set(step.query_lens)) == 1
+        mask = None if is_causal else causal_mask(step)[:, None]     # (B, 1, Lq, S)
+        kind = "decode" if step.is_decode else "causal" if is_causal else "masked"
+        if kind not in self.backends:
+            self.backends[kind] = sdpa_backend(qp, k, v, mask, is_causal)
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+        return unpad_queries(out.transpose(1, 2), step)              # (T, H, D)
+
+    def stats(self) -> dict[str, float]:
+        return {"backends": self.backend}

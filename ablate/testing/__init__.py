@@ -1,0 +1,1 @@
+"""Helpers for testing ablate and third-party plugins against it."""

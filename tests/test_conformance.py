@@ -1,0 +1,25 @@
+"""Every plugin found passes the conformance kit that third-party plugin authors use."""
+from __future__ import annotations
+
+import pytest
+
+from ablate.plugin import Requirement, Slot
+from ablate.registry import default_registry
+from ablate.testing.conformance import check_requirements_enforced
+
+PLUGINS = sorted((slot.value, name) for slot, name in default_registry().plugins)
+
+
+@pytest.mark.parametrize(("slot", "name"), PLUGINS, ids=[f"{s}={n}" for s, n in PLUGINS])
+def test_plugin_conforms(ablate_check_plugin, slot, name):
+    ablate_check_plugin(slot, name)
+
+
+def test_kit_catches_a_requirement_that_is_not_declared_as_enforced(ablate_registry, monkeypatch):
+    """A plugin declaring it needs kv_cache=none is refused beside contiguous (the check can fail)."""
+    cls = ablate_registry.get(Slot.ATTENTION, "naive")
+    monkeypatch.setattr(cls, "requires", (Requirement(Slot.KV_CACHE, frozenset({"none"}), "test"),))
+    check_requirements_enforced(ablate_registry, Slot.ATTENTION, "naive")   # enforced: passes
+    monkeypatch.setattr("ablate.testing.conformance.check_compatible", lambda combo: None)
+    with pytest.raises(AssertionError, match="ran beside"):
+        check_requirements_enforced(ablate_registry, Slot.ATTENTION, "naive")

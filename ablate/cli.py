@@ -1,4 +1,8 @@
-"""`python -m ablate ...`: Hydra composes the config; `python -m ablate plugins` lists the plugins."""
+"""`python -m ablate ...`: Hydra composes the config and runs a job (or a sweep with -m).
+
+`python -m ablate plugins` lists the plugins found; `python -m ablate compare <run> <run>` compares
+two result folders.
+"""
 from __future__ import annotations
 
 import sys
@@ -22,6 +26,10 @@ def list_plugins() -> None:
 def main() -> None:
     if sys.argv[1:2] == ["plugins"]:
         list_plugins()
+        return
+    if sys.argv[1:2] == ["compare"]:
+        from ablate.compare import main as compare
+        compare(sys.argv[2:])
         return
     import hydra
     from hydra.core.hydra_config import HydraConfig

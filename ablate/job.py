@@ -21,7 +21,7 @@ from ablate.model.config import ModelConfig
 from ablate.model.llama import LlamaModel
 from ablate.plugin import PluginConfig, Slot
 from ablate.registry import Registry
-from ablate.report import markdown, summary_table
+from ablate.report import summary_table, write_report
 from ablate.results import RunFolder, environment
 from ablate.wandb_log import log_run, summary_metrics
 
@@ -96,8 +96,7 @@ def _store(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Experim
              f"{cfg.experiment.repeats} repeats after {cfg.experiment.warmup} warm-up",
              "speedup = baseline time / arm time per round, median [bootstrap 95% CI]; "
              "predicted = the analytic roofline's ratio"]
-    report = markdown(f"{cfg.experiment.name}", result.summary, point_keys, notes)
-    folder.write_text("report.md", report)
+    report, figures = write_report(folder.path, result.summary, point_keys, cfg.experiment.name, notes)
     print()
     print(summary_table(result.summary, point_keys).to_string(index=False))
     first = arms[0].name
@@ -107,6 +106,6 @@ def _store(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Experim
     wandb_dir = log_run(cfg.wandb, name=f"{cfg.experiment.name}-{folder.path.name}", group=cfg.experiment.name,
                         tags=tags, config=raw, summary=summary_metrics(result.summary, point_keys),
                         tables={"summary": result.summary, "runs": result.runs},
-                        images={}, default_dir=folder.path)
+                        images=figures, default_dir=folder.path)
     folder.finish("done", wandb_dir=wandb_dir)
-    print(f"\nreport: {folder.path / 'report.md'}" + (f"\nW&B run: {wandb_dir}" if wandb_dir else ""))
+    print(f"\nreport: {report}" + (f"\nW&B run: {wandb_dir}" if wandb_dir else ""))

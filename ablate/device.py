@@ -1,8 +1,12 @@
 """The device an experiment runs on: choosing it, timing on it, and reading its memory."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import tempfile
 import time
+from collections.abc import Iterator
 
 import psutil
 import torch
@@ -66,3 +70,21 @@ def _cpu_name() -> str:
         pass
     import platform
     return platform.processor() or "cpu"
+
+
+@contextlib.contextmanager
+def exclusive(device: torch.device) -> Iterator[None]:
+    """Hold the device alone: jobs launched in parallel (joblib, submitit on one node) that were
+    given the same GPU wait for each other instead of sharing it and spoiling each other's timings.
+    A no-op on the CPU, where parallel jobs are an explicit choice (hydra.launcher.n_jobs)."""
+    if device.type != "cuda":
+        yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    path = os.path.join(tempfile.gettempdir(), f"ablate-cuda{index}.lock")
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -62,7 +62,8 @@ def run_job(raw: dict[str, Any], registry: Registry, swallow_errors: bool = Fals
     folder.start(raw, environment(dev.describe(device)), redo=cfg.redo)
     print(f"results: {folder.path}")
     try:
-        result = _run(cfg, arms, registry, device)
+        with dev.exclusive(device):
+            result = _run(cfg, arms, registry, device)
     except Exception as err:
         folder.finish("failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
         if swallow_errors:   # a sweep goes on; this job is recorded as failed

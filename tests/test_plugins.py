@@ -1,0 +1,336 @@
+"""Plugin discovery: built-ins, unknown names, incompatible combinations, broken and blocked plugins,
+and a third-party plugin installed as a real package."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import ablate.job
+import ablate.registry as registry_mod
+from ablate.arm import baseline_configs, resolve_arm
+from ablate.baselines import NaiveAttention
+from ablate.model.llama import LlamaModel
+from ablate.plugin import IncompatiblePlugins, PluginConfig, Requirement, Slot, check_compatible
+from ablate.registry import GROUP, PluginInfo, Registry, UnknownPlugin, discover
+from ablate_kv_cache.contiguous import ContiguousKVCache
+from ablate_kv_cache.dynamic import DynamicKVCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BUILT_INS = {
+    ("variant", "none"): "ablate",
+    ("kv_cache", "none"): "ablate",
+    ("kv_cache", "contiguous"): "ablate-kv-cache",
+    ("kv_cache", "dynamic"): "ablate-kv-cache",
+    ("attention", "naive"): "ablate",
+    ("scheduler", "static"): "ablate",
+    ("decoding", "autoregressive"): "ablate",
+}
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_discovery_lists_the_built_in_plugins_with_their_packages(registry):
+    table = {(r["slot"], r["name"]): r for r in registry.table()}
+    for key, source in BUILT_INS.items():
+        assert table[key]["source"] == source and table[key]["status"] == "loaded", key
+    assert table[("kv_cache", "contiguous")]["target"] == "ablate_kv_cache.contiguous:ContiguousKVCache"
+    assert registry.get(Slot.KV_CACHE, "dynamic") is DynamicKVCache
+    assert registry.get(Slot.ATTENTION, "naive") is NaiveAttention
+    assert {"none", "contiguous", "dynamic"} <= set(registry.choices(Slot.KV_CACHE))
+
+
+def test_unknown_plugin_names_the_valid_choices(registry):
+    with pytest.raises(UnknownPlugin, match=r"unknown kv_cache plugin 'nonexistent'; valid choices: ") as err:
+        registry.get(Slot.KV_CACHE, "nonexistent")
+    choices = str(err.value).split("valid choices: ", 1)[1].split(", ")
+    assert {"contiguous", "dynamic", "none"} <= set(choices)
+    assert choices == registry.choices(Slot.KV_CACHE)
+    with pytest.raises(UnknownPlugin, match=r"unknown attention plugin 'no-such-attention'; valid choices: .*naive"):
+        resolve_arm("fast", {"attention": "no-such-attention"}, baseline_configs(registry), registry)
+
+
+def test_unknown_plugin_option_names_the_valid_ones(registry):
+    with pytest.raises(ValueError, match=r"kv_cache=dynamic has no option block_size; its options are: ") as err:
+        resolve_arm("x", {"kv_cache": {"name": "dynamic", "block_size": 16}}, baseline_configs(registry), registry)
+    assert {"budget_bytes", "initial_tokens"} <= set(str(err.value).split("its options are: ")[1].split(", "))
+    with pytest.raises(ValueError, match=r"kv_cache.initial_tokens must be >= 1"):
+        resolve_arm("x", {"kv_cache": {"name": "dynamic", "initial_tokens": 0}}, baseline_configs(registry), registry)
+
+
+@pytest.mark.slow
+def test_cli_unknown_plugin_names_the_valid_choices(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ablate", "kv_cache=nonexistent", f"results_dir={tmp_path}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"})
+    assert proc.returncode != 0
+    assert "nonexistent" in proc.stderr
+    options = proc.stderr.split("Available options in 'kv_cache':", 1)[1].split()
+    assert {"contiguous", "dynamic", "none"} <= set(options)
+    assert not (tmp_path / "default").exists()          # nothing ran
+
+
+# -- incompatible combinations --------------------------------------------------------------------------
+
+@dataclass
+class PagedOnlyConfig(PluginConfig):
+    name: str = "paged-only"
+
+
+class PagedOnlyAttention(NaiveAttention):
+    """An attention kernel that reads block tables: it needs a paged KV cache."""
+
+    name = "paged-only"
+    config_class = PagedOnlyConfig
+    requires = (Requirement(Slot.KV_CACHE, frozenset({"paged"}), "it reads the cache's block tables"),)
+
+
+NEEDS_PAGED = PagedOnlyAttention.requires
+
+
+def test_check_compatible_names_both_plugins_and_the_reason():
+    with pytest.raises(IncompatiblePlugins) as err:
+        check_compatible({Slot.ATTENTION: PagedOnlyAttention, Slot.KV_CACHE: ContiguousKVCache})
+    message = str(err.value)
+    assert "attention=paged-only" in message and "kv_cache=contiguous" in message
+    assert "['paged']" in message and "block tables" in message
+    with pytest.raises(IncompatiblePlugins, match="kv_cache=nothing"):
+        check_compatible({Slot.ATTENTION: PagedOnlyAttention})
+    # a requirement that holds passes
+    PagedOnlyAttention.requires = (Requirement(Slot.KV_CACHE, frozenset({"contiguous", "dynamic"}), "slots"),)
+    try:
+        check_compatible({Slot.ATTENTION: PagedOnlyAttention, Slot.KV_CACHE: DynamicKVCache})
+    finally:
+        PagedOnlyAttention.requires = NEEDS_PAGED
+
+
+def with_plugin(registry: Registry, cls) -> Registry:
+    info = PluginInfo(f"{cls.slot.value}.{cls.name}", f"{__name__}:{cls.__name__}", "tests", "loaded",
+                      cls.slot.value, cls.name, cls)
+    return Registry([*registry.infos, info])
+
+
+def test_incompatible_combination_is_refused_before_any_model_loads(registry, compose_config, tmp_path, monkeypatch):
+    reg = with_plugin(registry, PagedOnlyAttention)
+    raw = compose_config(tmp_path, "wandb.mode=disabled")
+    raw["attention"] = {"name": "paged-only"}
+    raw["kv_cache"] = {"name": "contiguous"}
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded for an incompatible combination")
+
+    monkeypatch.setattr(ablate.job, "load_model", no_model)
+    monkeypatch.setattr(LlamaModel, "random", no_model)
+    with pytest.raises(IncompatiblePlugins, match=r"attention=paged-only cannot run with kv_cache=contiguous"):
+        ablate.job.run_job(raw, reg, swallow_errors=True)      # refused even in a sweep
+    assert not (tmp_path / "results").exists()                 # not even a results folder
+    # and in an experiment's arms
+    with pytest.raises(IncompatiblePlugins, match="attention=paged-only"):
+        resolve_arm("fast", {"attention": "paged-only", "kv_cache": "dynamic"}, baseline_configs(reg), reg)
+
+
+# -- broken, duplicate and blocked plugins -----------------------------------------------------------
+
+class NotAPlugin:
+    pass
+
+
+@dataclass
+class MisnamedConfig(PluginConfig):
+    name: str = "something-else"
+
+
+class MisnamedCache(ContiguousKVCache):
+    name = "misnamed"
+    config_class = MisnamedConfig
+
+
+@dataclass
+class OtherContiguousConfig(PluginConfig):
+    name: str = "contiguous"
+
+
+class OtherContiguous(ContiguousKVCache):
+    config_class = OtherContiguousConfig
+
+
+def discover_with(monkeypatch, *extra: EntryPoint, blocked: tuple[str, ...] = ()) -> Registry:
+    real = list(entry_points(group=GROUP))
+    monkeypatch.setattr(registry_mod, "entry_points", lambda group: [*real, *extra] if group == GROUP else [])
+    return discover(blocked)
+
+
+def test_broken_plugin_is_a_warning_naming_it_not_a_crash(monkeypatch):
+    broken = [
+        EntryPoint("kv_cache.broken", "ablate_no_such_module_xyz:Cache", GROUP),
+        EntryPoint("attention.not-a-plugin", f"{__name__}:NotAPlugin", GROUP),
+        EntryPoint("kv_cache.misnamed", f"{__name__}:MisnamedCache", GROUP),
+    ]
+    with pytest.warns(UserWarning) as warned:
+        reg = discover_with(monkeypatch, *broken)
+    messages = "\n".join(str(w.message) for w in warned)
+    assert "'kv_cache.broken'" in messages and "ModuleNotFoundError" in messages
+    assert "'attention.not-a-plugin'" in messages and "not a subclass of ablate.plugin.Plugin" in messages
+    assert "'kv_cache.misnamed'" in messages and "expected 'misnamed'" in messages
+    # the others load as usual
+    for slot, name in BUILT_INS:
+        assert name in reg.choices(Slot(slot))
+    assert "broken" not in reg.choices(Slot.KV_CACHE)
+    rows = {r["name"]: r for r in reg.table()}
+    assert rows["broken"]["slot"] == "kv_cache" and rows["broken"]["status"].startswith("error: ModuleNotFoundError")
+    # asking for it says why it is missing
+    with pytest.raises(UnknownPlugin, match=r"kv_cache.broken from \? is error: ModuleNotFoundError"):
+        reg.get(Slot.KV_CACHE, "broken")
+
+
+def test_duplicate_plugin_is_skipped_with_a_warning(monkeypatch):
+    dup = EntryPoint("kv_cache.contiguous2", f"{__name__}:OtherContiguous", GROUP)
+    with pytest.warns(UserWarning, match=r"kv_cache=contiguous .*OtherContiguous.* is a duplicate"):
+        reg = discover_with(monkeypatch, dup)
+    assert reg.get(Slot.KV_CACHE, "contiguous") is ContiguousKVCache
+    status = next(i.status for i in reg.infos if i.entry_point == "kv_cache.contiguous2")
+    assert status == "duplicate of ablate_kv_cache.contiguous:ContiguousKVCache from ablate-kv-cache"
+
+
+def test_block_plugins_env_blocks_one(monkeypatch):
+    monkeypatch.setenv("ABLATE_BLOCK_PLUGINS", "kv_cache.dynamic")
+    reg = discover()
+    assert "dynamic" not in reg.choices(Slot.KV_CACHE) and "contiguous" in reg.choices(Slot.KV_CACHE)
+    row = next(r for r in reg.table() if r["name"] == "dynamic")
+    assert (row["slot"], row["source"], row["status"]) == ("kv_cache", "ablate-kv-cache", "blocked")
+    why = r"valid choices: .*contiguous.*\(kv_cache.dynamic from ablate-kv-cache is blocked\)"
+    with pytest.raises(UnknownPlugin, match=why):
+        reg.get(Slot.KV_CACHE, "dynamic")
+    # several, comma-separated, and the `blocked` argument too
+    monkeypatch.setenv("ABLATE_BLOCK_PLUGINS", "kv_cache.dynamic,kv_cache.contiguous")
+    assert "contiguous" not in discover().choices(Slot.KV_CACHE)
+    monkeypatch.delenv("ABLATE_BLOCK_PLUGINS")
+    assert "naive" not in discover(("attention.naive",)).choices(Slot.ATTENTION)
+
+
+# -- a third-party plugin, installed as a package --------------------------------------------------------
+
+RECORDING = '''
+"""kv_cache=recording: the contiguous cache, counting the tokens it writes."""
+from dataclasses import dataclass
+
+from ablate_kv_cache.contiguous import ContiguousConfig, ContiguousKVCache
+
+
+@dataclass
+class RecordingConfig(ContiguousConfig):
+    name: str = "recording"
+
+
+class RecordingKVCache(ContiguousKVCache):
+    name = "recording"
+    config_class = RecordingConfig
+    stats_keys = ContiguousKVCache.stats_keys + ("recorded_writes",)
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        self.writes = 0
+
+    def write(self, layer, step, k, v):
+        self.writes += k.shape[0]
+        super().write(layer, step, k, v)
+
+    def stats(self):
+        return super().stats() | {"recorded_writes": self.writes}
+'''
+
+PYPROJECT = '''
+[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "{name}"
+version = "0.0.1"
+dependencies = ["ablate"]
+
+[project.entry-points."ablate.plugins"]
+"{entry_point}" = "{target}"
+
+[tool.setuptools]
+packages = ["{module}"]
+'''
+
+
+def write_package(root: Path, name: str, module: str, entry_point: str, target: str, code: str) -> Path:
+    (root / module).mkdir(parents=True)
+    (root / module / "__init__.py").write_text(textwrap.dedent(code))
+    (root / "pyproject.toml").write_text(PYPROJECT.format(name=name, module=module, entry_point=entry_point,
+                                                          target=target))
+    return root
+
+
+@pytest.fixture(scope="module")
+def plugin_site(tmp_path_factory) -> Path:
+    """Two packages installed with pip into a folder of their own: a working kv_cache plugin and
+    one whose import fails."""
+    root = tmp_path_factory.mktemp("third-party")
+    good = write_package(root / "recording", "ablate-recording-kv", "ablate_recording_kv", "kv_cache.recording",
+                         "ablate_recording_kv:RecordingKVCache", RECORDING)
+    bad = write_package(root / "broken", "ablate-broken-plugin", "ablate_broken_plugin", "attention.broken",
+                        "ablate_broken_plugin:BrokenAttention",
+                        'raise ImportError("ablate_broken_plugin needs libbroken, which is not installed")\n')
+    site = root / "site"
+    # offline: no index, and the venv's own setuptools builds the wheels (torch requires
+    # setuptools >= 77, which builds wheels without the `wheel` package)
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                          "--no-index", "--disable-pip-version-check", "--target", str(site), str(good), str(bad)],
+                         capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stderr
+    assert len(list(site.glob("*.dist-info"))) == 2
+    return site
+
+
+def run_cli(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path,
+           "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    return subprocess.run([sys.executable, "-m", "ablate", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_installed_third_party_plugin_is_listed_and_runs(plugin_site, tmp_path):
+    assert "ablate_recording_kv" not in sys.modules      # this process never imported it
+    listing = run_cli(plugin_site, tmp_path, "plugins")
+    assert listing.returncode == 0, listing.stderr
+    rows = [line.split(None, 4) for line in listing.stdout.splitlines()[1:]]
+    by_name = {(r[0], r[1]): r for r in rows}
+    assert by_name[("kv_cache", "recording")][2:] == ["ablate-recording-kv", "loaded"]
+    broken = by_name[("attention", "broken")]
+    assert broken[2] == "ablate-broken-plugin"
+    status = " ".join(broken[3:])
+    assert status.startswith("error: ImportError: ablate_broken_plugin needs libbroken")
+    for (slot, name), source in BUILT_INS.items():
+        assert by_name[(slot, name)][2:4] == [source, "loaded"]
+    assert "'attention.broken'" in listing.stderr            # the warning names it
+
+    results = tmp_path / "results"
+    run = run_cli(plugin_site, tmp_path, "kv_cache=recording", "wandb.mode=disabled", f"results_dir={results}",
+                  "experiment.repeats=1", "experiment.warmup=0", "workload.num_requests=2",
+                  "workload.output_len=4", "workload.prompt_len=8", "device=cpu", "threads=1",
+                  "peak_bandwidth=1e10", "peak_flops=1e11")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "'attention.broken'" in run.stderr                # still a warning, not a crash
+    (runs_csv,) = results.rglob("runs.csv")
+    assert (runs_csv.parent / "done.json").exists()
+    runs = pd.read_csv(runs_csv)
+    assert list(runs["arm"]) == ["baseline", "kv_cache=recording"]
+    assert list(runs["label"]) == ["baseline", "kv_cache=recording"]
+    recording = runs.set_index("arm").loc["kv_cache=recording"]
+    # the plugin's own code ran: 2 layers x (2 x 8 prompt tokens + 3 decode steps x 2 sequences)
+    assert recording["kv_cache.recorded_writes"] == 2 * (16 + 6)
+    assert recording["kv_reserved_peak_bytes"] == 8 * 12 * 512          # contiguous: 8 slots x 12 tokens
+    assert recording["output_tokens"] == 8

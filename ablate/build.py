@@ -48,7 +48,8 @@ class KVSpec:
     @classmethod
     def of(cls, model: LlamaModel, engine: EngineConfig, max_seq_len: int) -> KVSpec:
         cfg = model.config
-        return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim, cfg.torch_dtype,
+        heads, k_width, v_width = cfg.kv_cache_widths     # MLA: one latent row in K, nothing in V
+        return cls(cfg.n_layers, heads, k_width, v_width, cfg.torch_dtype,
                    next(model.parameters()).device, engine.max_num_seqs, max_seq_len)
 
 

@@ -7,6 +7,7 @@ every arm alike. A speedup is baseline time / arm time within one round; its med
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import warnings
@@ -22,7 +23,8 @@ from ablate.analytic import CostModel
 from ablate.arm import Arm, build_arm
 from ablate.build import EngineConfig
 from ablate.hardware import Peaks
-from ablate.metrics import request_table, roofline, summarise
+from ablate.memory import TensorMemoryTracker
+from ablate.metrics import goodput, request_table, roofline, summarise
 from ablate.plugin import Slot
 from ablate.model.llama import LlamaModel
 from ablate.recorder import Recorder
@@ -47,8 +49,15 @@ class ExperimentConfig:
     recorder: bool = True                 # False: time the runs with no hooks at all
     ttft_slo_ms: float | None = None      # goodput: requests meeting every SLO given
     tpot_slo_ms: float | None = None
+    # CPU: count tensor bytes during each run (ablate.memory), so that peak memory includes activations
+    # and attention's scores, not only weights + KV; every op then runs slower (prefill-heavy runs: little)
+    track_memory: bool = False
+    kind: str = "engine"                  # engine: arms through the engine; costs: the cost calculator only
+                                          # (ablate/costs.py; no model is loaded, arms and grid are unused)
 
     def __post_init__(self) -> None:
+        if self.kind not in ("engine", "costs"):
+            raise ValueError(f"experiment.kind must be 'engine' or 'costs', got {self.kind!r}")
         if self.repeats < 1:
             raise ValueError(f"experiment.repeats must be >= 1, got {self.repeats}")
         if self.warmup < 0:
@@ -88,7 +97,7 @@ def grid_points(exp: ExperimentConfig, workload: WorkloadConfig) -> list[tuple[d
 
 
 def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: EngineConfig,
-             registry: Registry, peaks: Peaks | None, record: bool) -> ArmRun:
+             registry: Registry, peaks: Peaks | None, record: bool, track_memory: bool = False) -> ArmRun:
     """Build the arm's engine afresh and serve the requests once."""
     max_seq_len = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
     max_seq_len = engine_cfg.max_seq_len or max_seq_len
@@ -100,15 +109,21 @@ def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: E
     def hooks(kv_cache):
         if not record:
             return ()
-        recorders.append(Recorder(kv_cache, CostModel(model.config, kv_cache.keeps_kv)))
+        recorders.append(Recorder(kv_cache))
         return recorders
 
     built = build_arm(arm, model, engine_cfg, max_seq_len, registry, hooks)
+    arm_model = built.engine.runner.model        # after the arm's variant (GQA, MLA...): what actually runs
+    for rec in recorders:
+        rec.cost_model = CostModel(arm_model.config, built.kv_cache.keeps_kv)
     device = built.engine.device
+    tracker = TensorMemoryTracker() if track_memory and device.type != "cuda" else contextlib.nullcontext()
+    kv_reserved_before = built.kv_cache.bytes_reserved()
     gc.collect()
     dev.reset_peak_memory(device)
     start = dev.now(device)
-    seqs = built.engine.run(requests)
+    with tracker:
+        seqs = built.engine.run(requests)
     wall = dev.now(device) - start
     row: dict[str, Any] = {"wall_s": wall}
     if record:
@@ -122,11 +137,15 @@ def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: E
         row["output_throughput_tok_s"] = row["output_tokens"] / wall
         requests_df = pd.DataFrame()
     row["kv_bytes_per_token"] = built.kv_cache.spec.bytes_per_token
-    row["weight_bytes"] = model.weight_bytes()
+    row["weight_bytes"] = arm_model.weight_bytes()
     cuda_peak = dev.peak_memory_bytes(device)
     # peak memory: the CUDA allocator's peak; on the CPU the tensors we track (weights + KV) and RSS
     row["peak_memory_bytes"] = cuda_peak if cuda_peak is not None else row["weight_bytes"] + row.get(
         "kv_reserved_peak_bytes", 0)
+    if isinstance(tracker, TensorMemoryTracker):
+        # weights and KV held before the run, plus everything the run allocated that was live at once
+        row["tracked_peak_bytes"] = tracker.peak_bytes
+        row["peak_memory_bytes"] = row["weight_bytes"] + kv_reserved_before + tracker.peak_bytes
     row["rss_bytes"] = dev.process_rss_bytes()
     row["attention_backend"] = built.plugins[Slot.ATTENTION].backend
     row |= built.stats()
@@ -143,12 +162,23 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
     if baseline not in {a.name for a in arms}:
         raise ValueError(f"experiment.baseline={baseline!r} is not an arm; arms are {[a.name for a in arms]}")
     models: dict[str, LlamaModel] = {}
+    tokenizers: dict[str, Any] = {}
 
     def model_for(arm: Arm) -> LlamaModel:
         key = repr(sorted(arm.model_overrides.items()))
         if key not in models:
             models[key] = model_loader(arm.model_overrides)
         return models[key]
+
+    def tokenizer_for(model: LlamaModel, wl: WorkloadConfig):
+        """The model's tokenizer, for workloads of text prompts (loaded once per checkpoint)."""
+        if wl.source != "text":
+            return None
+        from ablate.checkpoints.loader import load_tokenizer
+        key = repr((model.config.path, model.config.package))
+        if key not in tokenizers:
+            tokenizers[key] = load_tokenizer(model.config)
+        return tokenizers[key]
 
     rows, request_frames, samples = [], [], {}
     points = grid_points(exp, workload)
@@ -159,10 +189,14 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
             order = arms if repeat % 2 == 0 else arms[::-1]
             for arm in order:
                 model = model_for(arm)
-                requests = make_requests(wl, model.config.vocab_size)
+                requests = make_requests(wl, model.config.vocab_size, tokenizer_for(model, wl))
                 if repeat < 0:   # warm-up: the same prompts, a few tokens each, is enough to warm up
                     requests = [replace(r, max_new_tokens=min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests]
-                run = run_once(arm, model, requests, engine_cfg, registry, peaks, exp.recorder)
+                run = run_once(arm, model, requests, engine_cfg, registry, peaks, exp.recorder, exp.track_memory)
+                has_slo = exp.ttft_slo_ms is not None or exp.tpot_slo_ms is not None
+                if has_slo and not run.requests.empty:   # requests per second meeting every SLO set
+                    run.row["goodput_req_s"] = goodput(run.requests, exp.ttft_slo_ms, exp.tpot_slo_ms,
+                                                       run.row["duration_s"])
                 done += 1
                 progress(f"[{done}/{total}] {_point_label(point)} arm={arm.name} "
                          f"{'warm-up' if repeat < 0 else f'repeat {repeat}'}: "
@@ -181,6 +215,13 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
 
 def _point_label(point: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in point.items()) or "workload"
+
+
+def plugin_stat_columns(frame: pd.DataFrame) -> list[str]:
+    """The plugins' numeric stats (`slot.key` columns) that have a value in this frame."""
+    prefixes = tuple(f"{slot.value}." for slot in Slot)
+    return [c for c in frame.columns if c.startswith(prefixes) and pd.api.types.is_numeric_dtype(frame[c])
+            and frame[c].notna().any()]
 
 
 def summarise_arms(runs: pd.DataFrame, point_keys: list[str], baseline: str, exp: ExperimentConfig) -> pd.DataFrame:
@@ -205,10 +246,17 @@ def summarise_arms(runs: pd.DataFrame, point_keys: list[str], baseline: str, exp
             row["duration_cv"] = cv
             row["noisy"] = bool(cv > NOISY_CV) if not np.isnan(cv) else False
             for col in ("duration_s", "output_throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-                        "tpot_p99_ms", "decode_step_q1_ms", "decode_step_q4_ms", "peak_memory_bytes",
-                        "kv_reserved_peak_bytes", "kv_used_peak_bytes", "kv_util_mean", "mbu_decode", "mfu"):
+                        "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_emission",
+                        "decode_step_q1_ms", "decode_step_q4_ms", "peak_memory_bytes",
+                        "kv_reserved_peak_bytes", "kv_used_peak_bytes", "kv_util_mean", "mbu_decode", "mfu",
+                        "kv_util_at_peak", "queue_p50_ms", "queue_p99_ms", "goodput_req_s", "seqs_admitted_max",
+                        "seqs_admitted_mean", "seqs_admitted_while_queued", "preemptions"):
                 if col in arm_frame:
                     row[col] = float(arm_frame[col].median())
+            if "finish_order" in arm_frame:
+                row["finish_order"] = arm_frame["finish_order"].iloc[0]   # the first repeat's
+            for col in plugin_stat_columns(arm_frame):     # e.g. decoding.alpha: speculative acceptance
+                row[col] = float(arm_frame[col].median())
             row["memory_ratio"] = row.get("peak_memory_bytes", np.nan) / float(base["peak_memory_bytes"].median())
             out.append(row)
     summary = pd.DataFrame(out)

@@ -74,6 +74,10 @@ class KVCache(Plugin):
         """Live tokens x bytes per token."""
         return sum(self._lengths.values()) * self.spec.bytes_per_token
 
+    def num_seqs_admitted(self) -> int:
+        """Sequences holding room now (admitted, not yet released): what a budget limits."""
+        return len(self._lengths)
+
 
 class Attention(Plugin):
     """softmax(q k^T / sqrt(D) + causal mask) v for every sequence of the step."""

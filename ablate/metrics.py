@@ -3,6 +3,7 @@
 TTFT = first token time - arrival; TPOT = (E2E - TTFT) / (output tokens - 1), only for > 1 token;
 ITL = gaps between a request's consecutive emissions (a multi-token emission is one);
 E2E = last token time - arrival. Throughputs divide by (last finish - first arrival).
+Queueing time = start of the first step that feeds the request - arrival.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def request_table(rec: Recorder) -> pd.DataFrame:
             "output_tokens": n_out,
             "arrival_s": r.arrival - rec_start(rec),
             "ttft_s": ttft,
+            "queue_s": (r.first_scheduled - r.arrival) if r.first_scheduled is not None else np.nan,
             "tpot_s": (e2e - ttft) / (n_out - 1) if n_out > 1 else np.nan,
             "e2e_s": e2e,
             "itl_mean_s": float(np.mean(np.diff(times))) if len(times) > 1 else np.nan,
@@ -78,6 +80,36 @@ def kv_utilisation(rec: Recorder) -> dict[str, float]:
             "kv_util_at_peak": float(util[peak])}
 
 
+def admission(rec: Recorder) -> dict[str, float]:
+    """Sequences holding KV-cache room at once: peak, time-weighted mean, and time-weighted mean over
+    the steps during which some request waited for its first step (then the cache or the slots, not
+    the workload, set how many run: the capacity a KV budget gives)."""
+    nan = {"seqs_admitted_max": np.nan, "seqs_admitted_mean": np.nan, "seqs_admitted_while_queued": np.nan}
+    if not rec.steps:
+        return nan
+    dur = np.array([s.end - s.start for s in rec.steps])
+    held = np.array([s.num_seqs_admitted for s in rec.steps], dtype=float)
+    starts = np.array([s.start for s in rec.steps])
+    arrivals = np.array([r.arrival for r in rec.requests.values()])
+    firsts = np.array([r.first_scheduled if r.first_scheduled is not None else np.inf for r in rec.requests.values()])
+    queued = ((arrivals[None, :] <= starts[:, None]) & (firsts[None, :] > starts[:, None])).any(axis=1) \
+        if len(arrivals) else np.zeros(len(starts), dtype=bool)                                  # (steps,)
+
+    def weighted(mask: np.ndarray) -> float:
+        if not mask.any():
+            return np.nan
+        return float((held * dur)[mask].sum() / dur[mask].sum()) if dur[mask].sum() > 0 else float(held[mask].mean())
+
+    return {"seqs_admitted_max": float(held.max()), "seqs_admitted_mean": weighted(np.ones_like(queued)),
+            "seqs_admitted_while_queued": weighted(queued)}
+
+
+def finish_order(rec: Recorder) -> str:
+    """Request ids in the order they finished, e.g. "2 3 1 0" (the textbook case's picture)."""
+    done = sorted((r.finish, r.request_id) for r in rec.requests.values() if r.finish is not None)
+    return " ".join(str(request_id) for _, request_id in done)
+
+
 def summarise(rec: Recorder) -> dict[str, float]:
     """One row of figures for a whole run."""
     req = request_table(rec)
@@ -100,13 +132,17 @@ def summarise(rec: Recorder) -> dict[str, float]:
         "kv_used_peak_bytes": max((s.kv_bytes_used for s in rec.steps), default=0),
         "batch_size_mean": float(np.mean([s.num_seqs for s in rec.steps])) if rec.steps else np.nan,
         "batch_size_max": max((s.num_seqs for s in rec.steps), default=0),
+        "preemptions": int(req["preemptions"].sum()) if len(req) else 0,
+        "finish_order": finish_order(rec),
     }
     summary |= _percentiles("ttft", req["ttft_s"].to_numpy(float))
     summary |= _percentiles("tpot", req["tpot_s"].to_numpy(float))
     summary |= _percentiles("e2e", req["e2e_s"].to_numpy(float))
+    summary |= _percentiles("queue", req["queue_s"].to_numpy(float))
     summary |= _percentiles("itl", itl.astype(float))
     summary |= _quarter_step_ms(rec)
     summary |= kv_utilisation(rec)
+    summary |= admission(rec)
     return summary
 
 

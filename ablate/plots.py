@@ -24,6 +24,9 @@ FIGURES = {
     "latency": ("Latency percentiles",
                 [("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("tpot_p50_ms", "TPOT p50"),
                  ("tpot_p99_ms", "TPOT p99")], "ms", True),
+    "kv_utilisation": ("KV utilisation (used / reserved, time-weighted)",
+                       [("kv_util_mean", "measured"), ("kv_cache.predicted_kv_util", "predicted")], "fraction", False),
+    "goodput": ("Goodput: requests meeting every SLO", [("goodput_req_s", "")], "requests / s", False),
 }
 
 

@@ -19,6 +19,7 @@ class RequestRecord:
     finish: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    first_scheduled: float | None = None   # start of the first step that fed it (queueing ends there)
 
     @property
     def num_output_tokens(self) -> int:
@@ -36,6 +37,7 @@ class StepRecord:
     kv_bytes_used: int
     flops: float = 0.0          # analytic cost of what the step fed (ablate.analytic)
     bytes: float = 0.0
+    num_seqs_admitted: int = 0  # sequences holding KV-cache room at the step's end (a budget limits them)
 
 
 class StepHook:
@@ -63,6 +65,10 @@ class Recorder(StepHook):
     def on_step_start(self, batch: Batch, at: float) -> None:
         self._step_start = at
         self._prefill_seqs = sum(s.is_prefilling for s in batch.seqs)
+        for seq in batch.seqs:
+            rec = self.requests.get(seq.seq_id)
+            if rec is not None and rec.first_scheduled is None:
+                rec.first_scheduled = at
         if self.cost_model is not None:
             keeps = self.kv_cache.keeps_kv
             ctx = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
@@ -77,7 +83,8 @@ class Recorder(StepHook):
                 self.requests[seq_id].emissions.append((at, len(tokens)))
         fed = batch.num_tokens if self.kv_cache.keeps_kv else sum(s.num_computed_tokens for s in batch.seqs)
         self.steps.append(StepRecord(self._step_start, at, len(batch), fed, self._prefill_seqs,
-                                     self.kv_cache.bytes_reserved(), self.kv_cache.bytes_used(), *self._cost))
+                                     self.kv_cache.bytes_reserved(), self.kv_cache.bytes_used(), *self._cost,
+                                     num_seqs_admitted=self.kv_cache.num_seqs_admitted()))
 
     def on_finish(self, seq: Sequence, at: float) -> None:
         rec = self.requests[seq.seq_id]

@@ -41,7 +41,53 @@ def summary_table(summary: pd.DataFrame, point_keys: list[str]) -> pd.DataFrame:
             lambda x: "-" if pd.isna(x) else f"{x:.0%}"),
         "CV": summary["duration_cv"].map(lambda x: "-" if pd.isna(x) else f"{x:.1%}"),
     })
-    return table
+    return table.assign(**_paging_columns(summary), **_serving_columns(summary))
+
+
+def _pct(x: float) -> str:
+    return "-" if pd.isna(x) else f"{x:.0%}"
+
+
+def _num(x: float) -> str:
+    return "-" if pd.isna(x) else f"{x:,.1f}"
+
+
+def _column(summary: pd.DataFrame, name: str) -> pd.Series:
+    return summary[name] if name in summary else pd.Series([math.nan] * len(summary), index=summary.index)
+
+
+def _paging_columns(summary: pd.DataFrame) -> dict[str, list[str]]:
+    """Measured (predicted) KV utilisation, sequences held at once and slots wasted per sequence, for
+    arms whose cache reports the paging model's prediction (ablate/paging_model.py), when the arms'
+    caches differ in it (an experiment over schedulers with one cache does not need them)."""
+    predicted = _column(summary, "kv_cache.predicted_kv_util")
+    if predicted.isna().all() or predicted.round(6).nunique(dropna=False) < 2:
+        return {}
+    def pair(measured: str, predicted: str, fmt) -> list[str]:
+        return [f"{fmt(m)} ({fmt(p)})" for m, p in zip(_column(summary, measured), _column(summary, predicted))]
+    return {"KV util (pred)": pair("kv_util_mean", "kv_cache.predicted_kv_util", _pct),
+            "seqs at once (pred)": pair("seqs_admitted_while_queued", "kv_cache.predicted_seqs_admitted", _num),
+            "peak seqs": _column(summary, "seqs_admitted_max").map(_num).tolist(),
+            "waste/seq (pred)": pair("kv_cache.kv_frag_slots_per_seq_mean", "kv_cache.predicted_frag_slots_per_seq",
+                                     _num)}
+
+
+def _serving_columns(summary: pd.DataFrame) -> dict[str, list[str]]:
+    """Tail latency, queueing, goodput and preemptions where a scheduler that can preempt ran, and the
+    order requests finished in when arms differ in it on a small workload (the textbook case)."""
+    columns: dict[str, list[str]] = {}
+    if not _column(summary, "scheduler.preemptions").isna().all():
+        columns |= {"TTFT p99 ms": _column(summary, "ttft_p99_ms").map(_ms).tolist(),
+                    "TPOT p99 ms": _column(summary, "tpot_p99_ms").map(_ms).tolist(),
+                    "queue p99 ms": _column(summary, "queue_p99_ms").map(_ms).tolist(),
+                    "goodput req/s": _column(summary, "goodput_req_s").map(
+                        lambda x: "-" if pd.isna(x) else f"{x:.2f}").tolist(),
+                    "preempted": _column(summary, "preemptions").map(
+                        lambda x: "-" if pd.isna(x) else f"{x:.0f}").tolist()}
+    orders = summary["finish_order"] if "finish_order" in summary else pd.Series(dtype=object)
+    if orders.nunique() > 1 and orders.map(lambda o: isinstance(o, str) and len(o.split()) <= 8).all():
+        columns["finish order"] = orders.tolist()
+    return columns
 
 
 def markdown(title: str, summary: pd.DataFrame, point_keys: list[str], notes: list[str]) -> str:

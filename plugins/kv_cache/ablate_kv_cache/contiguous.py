@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ablate.build import BuildContext
+from ablate.paging_model import predict
 from ablate.request import Sequence
 from ablate_kv_cache.slot_cache import SlotCacheConfig, SlotKVCache
 
@@ -20,16 +21,18 @@ class ContiguousConfig(SlotCacheConfig):
 class ContiguousKVCache(SlotKVCache):
     name = "contiguous"
     config_class = ContiguousConfig
+    stats_keys = SlotKVCache.stats_keys + ("predicted_kv_util", "predicted_seqs_admitted",
+                                           "predicted_frag_slots_per_seq")
 
     def __init__(self, config: ContiguousConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
         capacity = self.spec.max_seq_len
         num_slots = self.spec.max_num_seqs
-        if config.budget_bytes:
-            num_slots = min(num_slots, config.budget_bytes // self.bytes_per_slot(capacity))
+        if self.budget_bytes:
+            num_slots = min(num_slots, self.budget_bytes // self.bytes_per_slot(capacity))
             if num_slots == 0:
                 raise ValueError(
-                    f"kv_cache.budget_bytes={config.budget_bytes} holds no sequence of {capacity} tokens "
+                    f"the KV budget of {self.budget_bytes} bytes holds no sequence of {capacity} tokens "
                     f"({self.bytes_per_slot(capacity)} bytes each)"
                 )
         self._allocate(num_slots, capacity)
@@ -39,3 +42,9 @@ class ContiguousKVCache(SlotKVCache):
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         return seq.num_computed_tokens + num_tokens <= self.capacity
+
+    def stats(self) -> dict[str, float]:
+        # the paging model with one block of the full capacity per sequence (ablate/paging_model.py)
+        prompts, outputs = zip(*self.lengths_admitted.values()) if self.lengths_admitted else ((), ())
+        return super().stats() | predict(prompts, outputs, self.capacity, self.num_slots * self.capacity,
+                                         self.num_slots)

@@ -29,7 +29,7 @@ class DynamicKVCache(SlotKVCache):
     config_class = DynamicConfig
 
     def _fits(self, num_slots: int, capacity: int) -> bool:
-        budget = self.config.budget_bytes
+        budget = self.budget_bytes
         return not budget or num_slots * self.bytes_per_slot(capacity) <= budget
 
     def _grown(self, need: int, have: int, floor: int) -> int:

@@ -9,30 +9,32 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ablate.batch import StepInputs
 from ablate.build import BuildContext
 from ablate.interfaces import KVCache
 from ablate.kv_view import PaddedKV
-from ablate.plugin import PluginConfig
 from ablate.request import Sequence
+from ablate_kv_cache.budget import BudgetConfig, budget_bytes
 
 
 @dataclass
-class SlotCacheConfig(PluginConfig):
-    budget_bytes: int = 0     # most bytes of K/V the cache may hold; 0: no limit beyond the slots
-
-    def __post_init__(self) -> None:
-        if self.budget_bytes < 0:
-            raise ValueError(f"kv_cache.budget_bytes must be >= 0, got {self.budget_bytes}")
+class SlotCacheConfig(BudgetConfig):
+    """The budget (bytes or a fraction of free memory) caps the slots x capacity buffer."""
 
 
 class SlotKVCache(KVCache):
-    stats_keys = ("kv_slots", "kv_capacity_tokens", "kv_peak_reserved_bytes")
+    stats_keys = ("kv_slots", "kv_capacity_tokens", "kv_peak_reserved_bytes", "max_seqs_admitted",
+                  "kv_frag_slots_per_seq_mean")
 
     def __init__(self, config: SlotCacheConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
+        self.budget_bytes = budget_bytes(config, self.spec.device)   # 0: no limit beyond the slots
+        self.max_seqs_admitted = 0               # most sequences holding a slot at once
+        self.lengths_admitted: dict[int, tuple[int, int]] = {}   # seq_id -> (prompt, max output), for predictions
+        self._frag_slots_per_seq: list[float] = []   # per step: row capacity not holding a token, per sequence
         self.slot_of: dict[int, int] = {}
         self.free_slots: list[int] = []          # a heap: the lowest free slot first keeps rows together
         self.k = self.v = torch.empty(0)
@@ -72,6 +74,11 @@ class SlotKVCache(KVCache):
         if not self.free_slots:
             raise RuntimeError(f"admit(seq {seq.seq_id}) without room: call can_admit first")
         self.slot_of[seq.seq_id] = heapq.heappop(self.free_slots)
+        self.max_seqs_admitted = max(self.max_seqs_admitted, len(self.slot_of))
+        self.lengths_admitted.setdefault(seq.seq_id, (seq.num_prompt_tokens, seq.request.max_new_tokens))
+
+    def num_seqs_admitted(self) -> int:
+        return len(self.slot_of)
 
     def release(self, seq: Sequence) -> None:
         slot = self.slot_of.pop(seq.seq_id, None)
@@ -82,6 +89,7 @@ class SlotKVCache(KVCache):
     # -- per step ----------------------------------------------------------------------------------
     def prepare(self, step: StepInputs) -> None:
         super().prepare(step)
+        self._frag_slots_per_seq.append(self.capacity - sum(step.context_lens) / len(step.context_lens))
         slots = [self.slot_of[s.seq_id] for s in step.seqs]
         device = self.spec.device
         slots_t = torch.tensor(slots, device=device)
@@ -91,13 +99,16 @@ class SlotKVCache(KVCache):
         self._rows = slice(slots[0], slots[0] + len(slots)) if consecutive else slots_t
 
     def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v (T, H_kv, D) -> rows of the flattened (slots * capacity, H_kv, D) buffer
-        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, self._write_index, k)
-        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, self._write_index, v)
+        # k, v (T, H_kv, D) -> rows of the flattened (slots * capacity, H_kv, D) buffer; flatten, not
+        # view(-1, ...): MLA's V has zero width, and -1 cannot be inferred from zero elements
+        self.k[layer].flatten(0, 1).index_copy_(0, self._write_index, k)
+        self.v[layer].flatten(0, 1).index_copy_(0, self._write_index, v)
 
     def view(self, layer: int, step: StepInputs) -> PaddedKV:
         return PaddedKV(self.k[layer][self._rows], self.v[layer][self._rows])   # (B, capacity, H_kv, D)
 
     def stats(self) -> dict[str, float]:
         return {"kv_slots": self.num_slots, "kv_capacity_tokens": self.capacity,
-                "kv_peak_reserved_bytes": self.peak_reserved}
+                "kv_peak_reserved_bytes": self.peak_reserved, "max_seqs_admitted": self.max_seqs_admitted,
+                "kv_frag_slots_per_seq_mean": float(np.mean(self._frag_slots_per_seq)) if self._frag_slots_per_seq
+                else float("nan")}

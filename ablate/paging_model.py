@@ -1,0 +1,49 @@
+"""What paging buys, predicted from the length distribution: KV utilisation and sequences held at once.
+
+A sequence holding L tokens reserves R(L) token slots:
+  paged, block size b:  R(L) = b * ceil(L / b)   -> wastes (b - 1) / 2 slots on average (L mod b uniform)
+  contiguous:           R(L) = L_max             (a paged cache whose only block is the maximum length)
+A request with prompt p and output o holds L = p, p + 1, ..., p + o - 1 tokens after each of its o
+steps (the last emitted token is never fed back). Averaged over all steps of all requests, the
+time weighting the measurement uses (longer requests live longer and count more):
+  utilisation           U = E[L] / E[R(L)]
+  sequences at once     N = min(max_num_seqs, floor(budget_tokens / E[R(L)]))   (steady state: the pool is full)
+  fragmentation         F = E[R(L) - L] slots per sequence (about b / 2)
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def live_lengths(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> np.ndarray:
+    """Every length a request holds after one of its steps, over all requests (one entry per step)."""
+    prompt = np.asarray(prompt_lens, dtype=np.int64)
+    output = np.asarray(output_lens, dtype=np.int64)
+    start = np.repeat(prompt, output)                                    # (sum o,)
+    offsets = np.arange(output.sum()) - np.repeat(np.cumsum(output) - output, output)   # 0..o-1 per request
+    return start + offsets
+
+
+def reserved_tokens(lengths: np.ndarray, block_size: int) -> np.ndarray:
+    """R(L) = block_size * ceil(L / block_size)."""
+    return -(-lengths // block_size) * block_size
+
+
+def predict(prompt_lens: Sequence[int], output_lens: Sequence[int], block_size: int, budget_tokens: int,
+            max_num_seqs: int) -> dict[str, float]:
+    """Predicted utilisation, sequences held at once and slots wasted per sequence.
+
+    For a contiguous cache pass block_size = the maximum length (every sequence reserves one such block).
+    """
+    lengths = live_lengths(prompt_lens, output_lens)
+    if lengths.size == 0:
+        return {"predicted_kv_util": float("nan"), "predicted_seqs_admitted": float("nan"),
+                "predicted_frag_slots_per_seq": float("nan")}
+    reserved = reserved_tokens(lengths, block_size)
+    mean_reserved = float(reserved.mean())
+    held = min(float(max_num_seqs), budget_tokens // mean_reserved) if budget_tokens else float(max_num_seqs)
+    return {"predicted_kv_util": float(lengths.mean()) / mean_reserved,
+            "predicted_seqs_admitted": min(held, float(len(prompt_lens))),
+            "predicted_frag_slots_per_seq": float((reserved - lengths).mean())}

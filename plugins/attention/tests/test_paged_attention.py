@@ -1,0 +1,110 @@
+"""attention=paged: the Triton paged-decode kernel against the PyTorch block-table path, and the
+backend it records. The kernel runs on the CPU under the Triton interpreter, which must be switched on
+before triton is first imported (hence the environment line above the imports)."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import ablate_kernels  # noqa: E402
+from ablate.arm import baseline_configs, build_arm, resolve_arm  # noqa: E402
+from ablate.batch import StepInputs  # noqa: E402
+from ablate.build import EngineConfig  # noqa: E402
+from ablate.kv_view import PagedKV  # noqa: E402
+from ablate.plugin import Slot  # noqa: E402
+from ablate.request import Request, Sequence  # noqa: E402
+from ablate_attention import paged as paged_attention  # noqa: E402
+
+torch.set_num_threads(1)
+
+needs_triton = pytest.mark.skipif(
+    not ablate_kernels.triton_available("cpu"),
+    reason="triton was imported before TRITON_INTERPRET=1 was set (run this module on its own)")
+
+
+def decode_step(context_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                seed: int = 0) -> tuple[torch.Tensor, PagedKV, StepInputs]:
+    """One decode step over a pool whose blocks are handed out in a shuffled order, with garbage in
+    every slot no sequence owns (it must never be read)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(context_lens)
+    tables = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(tables) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(tables)
+    block_tables = torch.zeros(batch, width, dtype=torch.int32)                     # (B, nb)
+    for b, n in enumerate(tables):
+        block_tables[b, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)   # (N, bs, H_kv, D)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(batch, num_heads, head_dim, generator=gen)                            # (B, H, D)
+    seqs = [Sequence(Request(b, (1,) * c, 1)) for b, c in enumerate(context_lens)]
+    step = StepInputs(
+        seqs=seqs, input_ids=torch.ones(batch, dtype=torch.long),
+        positions=torch.tensor([c - 1 for c in context_lens]), query_lens=[1] * batch,
+        context_lens=list(context_lens), query_starts=list(range(batch + 1)),
+        logits_indices=torch.arange(batch), context_lens_t=torch.tensor(context_lens, dtype=torch.int32),
+        query_starts_t=torch.arange(batch + 1, dtype=torch.int32))
+    return q, PagedKV(k_cache, v_cache, block_tables), step
+
+
+@needs_triton
+@pytest.mark.parametrize("context_lens, block_size, heads", [
+    ([1, 7, 16, 23], 4, (4, 2)),      # grouped-query: 2 query heads per KV head; partial and full last blocks
+    ([5, 33], 16, (2, 2)),
+    ([9], 1, (4, 1)),                 # one token per block; multi-query
+])
+def test_triton_kernel_equals_the_pytorch_block_table_path(context_lens, block_size, heads):
+    q, view, step = decode_step(context_lens, block_size, *heads, head_dim=16)
+    kernel = ablate_kernels.paged_decode_attention(q, view.k_cache, view.v_cache, view.block_tables,
+                                                   step.context_lens_t)                  # (B, H, D)
+    torch_path = paged_attention.gathered_attention(q, view, step)                      # (T = B, H, D)
+    torch.testing.assert_close(kernel, torch_path, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+def test_greedy_tokens_through_the_triton_kernel_equal_the_baseline(ablate_registry, ablate_tiny_model):
+    rng = random.Random(0)
+    requests = [Request(i, tuple(rng.randrange(256) for _ in range(p)), n)
+                for i, (p, n) in enumerate([(3, 5), (9, 3), (14, 4)])]
+
+    def run(spec):
+        arm = resolve_arm("t", spec, baseline_configs(ablate_registry), ablate_registry)
+        built = build_arm(arm, ablate_tiny_model, EngineConfig(max_num_seqs=3), 24, ablate_registry)
+        return [s.output_token_ids for s in built.engine.run(requests)], built
+
+    baseline, _ = run({})
+    tokens, built = run({"kv_cache": {"name": "paged", "block_size": 4},
+                         "attention": {"name": "paged", "backend": "triton"}})
+    assert tokens == baseline
+    assert built.plugins[Slot.ATTENTION].backend == "paged(decode=triton,prefill=torch)"
+
+
+def test_the_backend_that_ran_is_recorded_and_a_fallback_is_said(ablate_registry, ablate_tiny_model, monkeypatch):
+    monkeypatch.setattr(ablate_kernels, "triton_available", lambda device: False)
+    monkeypatch.setattr(paged_attention, "_warned_devices", set())
+    arm = resolve_arm("t", {"kv_cache": "paged", "attention": "paged"}, baseline_configs(ablate_registry),
+                      ablate_registry)
+    with pytest.warns(UserWarning, match="decode steps use the PyTorch block-table gather"):
+        built = build_arm(arm, ablate_tiny_model, EngineConfig(max_num_seqs=2), 16, ablate_registry)
+    built.engine.run([Request(0, (1, 2, 3), 3)])
+    assert built.plugins[Slot.ATTENTION].backend == "paged(decode=torch,prefill=torch)"
+    forced = resolve_arm("t", {"kv_cache": "paged", "attention": {"name": "paged", "backend": "triton"}},
+                         baseline_configs(ablate_registry), ablate_registry)
+    with pytest.raises(RuntimeError, match="backend=triton: the Triton kernel cannot run on cpu"):
+        build_arm(forced, ablate_tiny_model, EngineConfig(max_num_seqs=2), 16, ablate_registry)
+
+
+def test_paged_attention_needs_a_paged_cache(ablate_registry):
+    from ablate.plugin import IncompatiblePlugins
+
+    with pytest.raises(IncompatiblePlugins, match="attention=paged cannot run with kv_cache=contiguous"):
+        resolve_arm("t", {"kv_cache": "contiguous", "attention": "paged"}, baseline_configs(ablate_registry),
+                    ablate_registry)

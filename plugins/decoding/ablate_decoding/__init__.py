@@ -1,0 +1,1 @@
+"""Decoding techniques: speculative decoding (draft k tokens, verify them in one target pass)."""

@@ -1,0 +1,127 @@
+"""The plugin's config (validation, Hydra composition), its drafter pieces and its stats arithmetic."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ablate.model.config import preset
+from ablate.plugin import Slot
+from ablate_decoding.acceptance import accept_greedy
+from ablate_decoding.draft_models import draft_model_config, layer_skip_layers, layer_subset
+from ablate_decoding.ngram import lookup
+from ablate_decoding.spec_stats import SpeculativeStats, expected_tokens_per_pass, predicted_speedup
+from ablate_decoding.speculative import SpeculativeConfig
+
+
+@pytest.mark.parametrize("fields, field_named", [
+    ({"k": 0}, "decoding.k"),
+    ({"drafter": "medusa"}, "decoding.drafter"),
+    ({"drafter": "draft_model"}, "decoding.draft_model"),
+    ({"ngram_n": 0}, "decoding.ngram_n"),
+    ({"exit_layer": 0}, "decoding.exit_layer"),
+    ({"skip_every": 0}, "decoding.skip_every"),
+])
+def test_config_errors_name_the_field(fields, field_named):
+    with pytest.raises(ValueError, match=field_named):
+        SpeculativeConfig(**fields)
+
+
+def test_draft_model_must_share_the_vocabulary(build, target):
+    spec = {"kv_cache": "contiguous", "decoding": {"name": "speculative", "drafter": "draft_model",
+                                                   "draft_model": "tiny", "draft_overrides": {"vocab_size": 300}}}
+    with pytest.raises(ValueError, match="vocabulary"):
+        build(spec, target)
+
+
+def test_draft_model_config():
+    target = preset("smollm2-135m", init="pretrained", dtype="bf16")
+    cfg = draft_model_config("smollm2-135m", target, {})
+    assert cfg.init == "pretrained" and cfg.dtype == "bf16"      # a checkpoint preset takes the target's init
+    assert draft_model_config("tiny", target, {"seed": 3}).init == "random"
+    with pytest.raises(ValueError, match="decoding.draft_model"):
+        draft_model_config("no-such-model", target, {})
+
+
+def test_early_exit_exceeding_the_target_is_refused(build, target):
+    with pytest.raises(ValueError, match="decoding.exit_layer"):
+        build({"decoding": {"name": "speculative", "drafter": "early_exit", "exit_layer": 9}}, target)
+
+
+def test_composes_with_hydra(registry):
+    """`decoding=speculative decoding.k=8 ...` on the command line gives the validated config."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from ablate.cli import CONF_DIR
+    from ablate.config import to_run_config
+    from ablate.registry import register_configs
+
+    register_configs(registry)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "decoding=speculative", "decoding.k=8", "decoding.drafter=draft_model", "decoding.draft_model=tiny",
+            "+decoding.draft_overrides.seed=1", "results_dir=unused"])
+    _, plugins = to_run_config(OmegaConf.to_container(cfg, resolve=True), registry)
+    assert plugins[Slot.DECODING] == SpeculativeConfig(k=8, drafter="draft_model", draft_model="tiny",
+                                                        draft_overrides={"seed": 1})
+
+
+def test_ngram_lookup():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert lookup(tokens, 3, 2) == [7, 8]            # the most recent earlier match wins
+    assert lookup(tokens, 3, 9) == [7, 8, 1, 2, 3]   # up to what follows it
+    assert lookup([5, 6, 7], 2, 4) == []             # no earlier occurrence
+    assert lookup([4, 4, 4], 1, 3) == [4]            # overlapping occurrences are fine
+
+
+def test_greedy_rule():
+    assert accept_greedy([5, 6, 7, 8], [5, 6, 9]).tokens == [5, 6, 7]      # correction at the mismatch
+    assert accept_greedy([5, 6, 7, 8], [5, 6, 7]).tokens == [5, 6, 7, 8]   # all accepted: the bonus token
+    assert accept_greedy([5], []).tokens == [5]                            # no drafts: autoregressive
+
+
+def test_layer_subset_shares_the_target_weights(target):
+    layers = layer_skip_layers(4, 2)
+    assert layers == [0, 2, 3]
+    draft = layer_subset(target, layers, "every2")
+    assert draft.config.n_layers == 3
+    assert draft.layers[1].attn.wqkv.weight.data_ptr() == target.layers[2].attn.wqkv.weight.data_ptr()
+    assert draft.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+
+
+def test_stats_arithmetic():
+    stats = SpeculativeStats(k=4)
+    stats.record_verification(0, 4, 4, 5)    # all accepted, bonus token
+    stats.record_verification(1, 4, 1, 2)    # position 2 rejected
+    stats.record_verification(0, 2, 0, 1)    # fewer drafts (near the end), the first rejected
+    d = stats.as_dict()
+    assert d["proposed_tokens"] == 10 and d["accepted_tokens"] == 5
+    assert d["acceptance_rate"] == pytest.approx(0.5)
+    assert d["alpha"] == pytest.approx(5 / 7)                  # tested: 4 + 2 + 1
+    assert d["acceptance_by_position"] == "0.667 0.500 1.000 1.000"
+    assert d["tokens_per_target_forward"] == pytest.approx(8 / 3)
+    assert stats.log[1] == (0, 1, 4, 1, 2)                     # (step, seq_id, proposed, accepted, emitted)
+    stats.record_step(draft_s=0.004, target_s=0.010)
+    assert stats.cost_ratio == pytest.approx(0.1)              # k c = draft / target time
+
+
+def test_predicted_speedup():
+    assert expected_tokens_per_pass(0.0, 4) == 1.0
+    assert expected_tokens_per_pass(1.0, 4) == 5.0
+    assert expected_tokens_per_pass(0.5, 2) == pytest.approx(1.75)
+    # Leviathan et al.: alpha 0.8, k 4, c 0.05 -> (1 - 0.8^5) / (0.2 * 1.2) = 2.8
+    assert predicted_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.2))
+    assert math.isnan(predicted_speedup(math.nan, 4, 0.1))
+
+
+def test_stats_keys_are_stable(build, target, make_requests):
+    """stats() returns exactly `stats_keys`, before any step and after a run."""
+    built = build({"kv_cache": "contiguous", "decoding": {"name": "speculative", "drafter": "early_exit",
+                                                          "exit_layer": 2}}, target)
+    decoding = built.plugins[Slot.DECODING]
+    assert set(decoding.stats()) == set(decoding.stats_keys)
+    built.engine.run(make_requests([7, 9], [5, 6]))
+    stats = decoding.stats()
+    assert set(stats) == set(decoding.stats_keys)
+    assert stats["draft_passes"] > 0 and stats["draft_kv_reserved_bytes"] > 0

@@ -1,0 +1,212 @@
+"""kv_cache=paged: K/V in fixed-size blocks of one shared pool, claimed as sequences grow (vLLM).
+
+Storage is one preallocated pool each for K and V, (layers, num_blocks, block_size, H_kv, D); the
+block manager (block_manager.py) decides which blocks each sequence holds. A sequence claims only
+the blocks its tokens fill (admit: its prompt; grow: one more block every block_size tokens), so the
+cache admits while blocks remain, and when they run out the scheduler preempts.
+
+Writes go through one flat slot index per step, slot = block_table[p // bs] * bs + p % bs (nano-vllm's
+slot mapping), so a step mixing prefill chunks and decode tokens is one index_copy_ per layer.
+Attention reads the pool through the batch's block tables (ablate.kv_view.PagedKV).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ablate.batch import StepInputs
+from ablate.build import BuildContext
+from ablate.interfaces import KVCache
+from ablate.kv_view import PagedKV
+from ablate.paging_model import predict
+from ablate.request import Sequence
+from ablate_kv_cache.block_manager import BlockManager
+from ablate_kv_cache.budget import BudgetConfig, budget_bytes
+
+
+@dataclass
+class PagedConfig(BudgetConfig):
+    name: str = "paged"
+    block_size: int = 16           # token slots per block: smaller wastes less of each last block,
+                                   # larger means fewer, longer gathers
+    prefix_caching: bool = False   # share the full blocks of identical prompt prefixes instead of recomputing them
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size < 1:
+            raise ValueError(f"kv_cache.block_size must be >= 1, got {self.block_size}")
+
+
+class PagedKVCache(KVCache):
+    name = "paged"
+    config_class = PagedConfig
+    stats_keys = ("kv_block_size", "kv_block_bytes", "kv_blocks_total", "kv_pool_bytes", "kv_blocks_used_peak",
+                  "kv_blocks_free_min", "kv_frag_slots_mean", "kv_frag_slots_per_seq_mean", "max_seqs_admitted",
+                  "preemptions", "prefix_cache_hit_blocks", "prefix_cache_hit_rate", "predicted_kv_util",
+                  "predicted_seqs_admitted", "predicted_frag_slots_per_seq")
+
+    def __init__(self, config: PagedConfig, ctx: BuildContext) -> None:
+        super().__init__(config, ctx)
+        s = self.spec
+        self.block_size = bs = config.block_size
+        self.block_bytes = bs * s.bytes_per_token
+        blocks_per_seq = -(-s.max_seq_len // bs)
+        # More blocks than max_num_seqs sequences of the longest length can hold would never be
+        # claimed (with prefix caching they would only keep more freed prefixes findable).
+        num_blocks = s.max_num_seqs * blocks_per_seq
+        budget = budget_bytes(config, s.device)
+        if budget:
+            num_blocks = min(num_blocks, budget // self.block_bytes)
+            if num_blocks < blocks_per_seq:
+                raise ValueError(
+                    f"the KV budget of {budget} bytes holds {num_blocks} blocks of {bs} tokens "
+                    f"({self.block_bytes} bytes each), fewer than one sequence of {s.max_seq_len} tokens needs "
+                    f"({blocks_per_seq}): raise kv_cache.budget_bytes or shorten the workload")
+        self.manager = BlockManager(num_blocks, bs, config.prefix_caching)
+        self.k = torch.zeros(s.num_layers, num_blocks, bs, s.n_kv_heads, s.k_head_dim, dtype=s.dtype, device=s.device)
+        self.v = torch.zeros(s.num_layers, num_blocks, bs, s.n_kv_heads, s.v_head_dim, dtype=s.dtype, device=s.device)
+        self._slot_mapping = torch.empty(0, dtype=torch.long)
+        self._block_tables = torch.empty(0, 0, dtype=torch.int32)
+        # stats
+        self.max_seqs_admitted = 0
+        self.num_preemptions = 0
+        self.blocks_used_peak = 0
+        self._frag_slots: list[int] = []           # per step: unused slots in the stepped sequences' blocks
+        self._frag_slots_per_seq: list[float] = []
+        self._lengths_admitted: dict[int, tuple[int, int]] = {}   # seq_id -> (prompt, max output), for predictions
+
+    # -- room --------------------------------------------------------------------------------------
+    def can_admit(self, seq: Sequence) -> bool:
+        return self.manager.can_allocate(seq.token_ids)
+
+    def admit(self, seq: Sequence) -> None:
+        """Claim blocks for every token it holds now: its prompt, or prompt + output when recomputed."""
+        num_cached = self.manager.allocate(seq.seq_id, seq.token_ids)
+        # prefix-cache hits: their K/V is already in the pool, so they count as computed
+        seq.num_computed_tokens = max(seq.num_computed_tokens, num_cached)
+        self.max_seqs_admitted = max(self.max_seqs_admitted, len(self.manager.block_tables))
+        self._note_blocks_used()
+        self._lengths_admitted.setdefault(seq.seq_id, (seq.num_prompt_tokens, seq.request.max_new_tokens))
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        extra = seq.num_computed_tokens + num_tokens - self.manager.num_tokens[seq.seq_id]
+        if extra <= 0:
+            return True
+        if not self.manager.can_append(seq.seq_id, extra):
+            return False
+        self._copy_blocks(self.manager.append(seq.seq_id, extra))
+        self._note_blocks_used()
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        if seq.seq_id in self.manager.block_tables:
+            self.manager.free(seq.seq_id)
+            if seq.finish_reason is None:        # released before finishing: preempted
+                self.num_preemptions += 1
+        self._lengths.pop(seq.seq_id, None)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        self.manager.truncate(seq.seq_id, num_tokens)
+        super().truncate(seq, num_tokens)
+
+    def num_seqs_admitted(self) -> int:
+        return len(self.manager.block_tables)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: a shared, partly-filled block becomes this sequence's own before it writes."""
+        for src, dst in copies:
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+
+    def _note_blocks_used(self) -> None:
+        self.blocks_used_peak = max(self.blocks_used_peak, self.manager.num_used_blocks)
+
+    # -- per step ----------------------------------------------------------------------------------
+    def prepare(self, step: StepInputs) -> None:
+        super().prepare(step)
+        bs, manager = self.block_size, self.manager
+        tables = []
+        frag = 0
+        for seq, ctx in zip(step.seqs, step.context_lens):
+            held = manager.num_tokens[seq.seq_id]
+            if ctx > held:          # fed more than grow() was told (e.g. draft tokens to verify)
+                if not manager.can_append(seq.seq_id, ctx - held):
+                    raise RuntimeError(f"the paged KV cache has no block left for sequence {seq.seq_id}'s "
+                                       f"{ctx - held} extra tokens: call grow() for every token fed")
+                self._copy_blocks(manager.append(seq.seq_id, ctx - held))
+                self._note_blocks_used()
+            if manager.enable_prefix_caching:
+                manager.commit(seq.seq_id, seq.token_ids[:ctx])
+            table = manager.block_table(seq.seq_id)
+            tables.append(table)
+            frag += len(table) * bs - ctx
+        width = max(len(t) for t in tables)
+        device = self.spec.device
+        # padding entries point at block 0: never read inside a context, masked outside it
+        self._block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                          dtype=torch.int32, device=device)                  # (B, nb)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(tables), device=device),
+                                               torch.tensor(step.query_lens, device=device))  # (T,)
+        pos = step.positions                                                                   # (T,)
+        self._slot_mapping = self._block_tables[seq_of_token, pos // bs].long() * bs + pos % bs  # (T,)
+        self._frag_slots.append(frag)
+        self._frag_slots_per_seq.append(frag / len(tables))
+
+    def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v (T, H_kv, D) -> slots of the flattened (num_blocks * block_size, H_kv, D) pool (flatten,
+        # not view(-1, ...): MLA's V has zero width, and -1 cannot be inferred from zero elements)
+        self.k[layer].flatten(0, 1).index_copy_(0, self._slot_mapping, k)
+        self.v[layer].flatten(0, 1).index_copy_(0, self._slot_mapping, v)
+
+    def view(self, layer: int, step: StepInputs) -> PagedKV:
+        return PagedKV(self.k[layer], self.v[layer], self._block_tables)
+
+    # -- memory ------------------------------------------------------------------------------------
+    def bytes_reserved(self) -> int:
+        # The blocks sequences hold, not the pool: the pool is allocated up front only so that no
+        # allocation happens while serving, and a free block belongs to no sequence (any sequence
+        # may claim it next step), like free memory in an allocator. What is reserved *for
+        # sequences* is their blocks, so used / reserved measures the waste paging leaves: the
+        # unfilled tail of each last block. The pool's size is reported as kv_pool_bytes.
+        return self.manager.num_used_blocks * self.block_bytes
+
+    def bytes_used(self) -> int:
+        """Live tokens x bytes per token, a slot shared by several sequences counted once."""
+        tables = self.manager.block_tables
+        if sum(len(t) for t in tables.values()) == self.manager.num_used_blocks:   # nothing shared
+            return super().bytes_used()
+        filled: dict[int, int] = {}
+        for seq_id, length in self._lengths.items():
+            for i, block_id in enumerate(tables.get(seq_id, ())):
+                in_block = min(self.block_size, length - i * self.block_size)
+                if in_block > 0:
+                    filled[block_id] = max(filled.get(block_id, 0), in_block)
+        return sum(filled.values()) * self.spec.bytes_per_token
+
+    def pool_bytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    # -- stats -------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        manager = self.manager
+        cacheable = manager.num_cacheable_blocks
+        lengths = list(self._lengths_admitted.values())
+        prediction = predict([p for p, _ in lengths], [o for _, o in lengths], self.block_size,
+                             manager.num_blocks * self.block_size, self.spec.max_num_seqs)
+        return {
+            "kv_block_size": self.block_size,
+            "kv_block_bytes": self.block_bytes,
+            "kv_blocks_total": manager.num_blocks,
+            "kv_pool_bytes": self.pool_bytes(),
+            "kv_blocks_used_peak": self.blocks_used_peak,
+            "kv_blocks_free_min": manager.num_blocks - self.blocks_used_peak,
+            "kv_frag_slots_mean": float(np.mean(self._frag_slots)) if self._frag_slots else np.nan,
+            "kv_frag_slots_per_seq_mean": float(np.mean(self._frag_slots_per_seq)) if self._frag_slots else np.nan,
+            "max_seqs_admitted": self.max_seqs_admitted,
+            "preemptions": self.num_preemptions,
+            "prefix_cache_hit_blocks": manager.num_hit_blocks,
+            "prefix_cache_hit_rate": manager.num_hit_blocks / cacheable if cacheable else np.nan,
+            **prediction,
+        }

@@ -97,9 +97,8 @@ def _store(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Experim
     report, figures = write_report(folder.path, result.summary, point_keys, cfg.experiment.name, notes)
     print()
     print(summary_table(result.summary, point_keys).to_string(index=False))
-    first = arms[0].name
     if result.samples:
-        print(f"\nsample ({first}, first request's output tokens): {result.samples[first][:24]}")
+        print(f"\n{_sample_text(cfg, *next(iter(result.samples.items())))}")
     tags = [cfg.experiment.chapter, cfg.model.name] + [a.label() for a in arms]
     wandb_dir = log_run(cfg.wandb, name=f"{cfg.experiment.name}-{folder.path.name}", group=cfg.experiment.name,
                         tags=tags, config=raw, summary=summary_metrics(result.summary, point_keys),
@@ -107,3 +106,11 @@ def _store(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Experim
                         images=figures, default_dir=folder.path)
     folder.finish("done", wandb_dir=wandb_dir)
     print(f"\nreport: {report}" + (f"\nW&B run: {wandb_dir}" if wandb_dir else ""))
+
+
+def _sample_text(cfg: RunConfig, arm: str, tokens: list[int]) -> str:
+    """The first request's output: text for a real checkpoint, token ids for random weights."""
+    if cfg.model.init != "pretrained":
+        return f"sample ({arm}, random weights, first request's output token ids): {tokens[:24]}"
+    from ablate.checkpoints.loader import load_tokenizer
+    return f"sample ({arm}, first request's output):\n    {load_tokenizer(cfg.model).decode(tokens)!r}"

@@ -40,7 +40,7 @@ from ablate import device as dev
 from ablate.analytic import kv_bytes_per_token
 from ablate.arm import baseline_configs, build_arm, resolve_arm
 from ablate.build import BuildContext, EngineConfig, KVSpec
-from ablate.job import load_model
+from ablate.checkpoints.loader import load_model
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
 from ablate.plugin import Slot

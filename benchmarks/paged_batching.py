@@ -32,7 +32,7 @@ from ablate.analytic import kv_bytes_per_token
 from ablate.arm import baseline_configs, resolve_arm
 from ablate.build import EngineConfig
 from ablate.experiment import run_once
-from ablate.job import load_model
+from ablate.checkpoints.loader import load_model
 from ablate.model.config import preset
 from ablate.registry import default_registry
 from ablate.workload import WorkloadConfig, make_requests

@@ -15,7 +15,7 @@ import numpy as np
 from ablate.arm import baseline_configs, resolve_arm
 from ablate.build import EngineConfig
 from ablate.experiment import run_once
-from ablate.job import load_model
+from ablate.checkpoints.loader import load_model
 from ablate.model.config import preset
 from ablate.registry import default_registry
 from ablate.stats import ratio_summary

@@ -37,7 +37,7 @@ from ablate import device as dev
 from ablate.arm import Arm, baseline_configs, resolve_arm
 from ablate.build import EngineConfig
 from ablate.experiment import run_once
-from ablate.job import load_model
+from ablate.checkpoints.loader import load_model
 from ablate.model.config import preset
 from ablate.registry import Registry, default_registry
 from ablate.request import Request

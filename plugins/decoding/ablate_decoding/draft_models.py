@@ -44,7 +44,7 @@ def draft_model_config(name_or_path: str, target: ModelConfig, overrides: dict[s
 
 def load_draft_model(name_or_path: str, target: LlamaModel, overrides: dict[str, Any]) -> LlamaModel:
     """The draft model, on the target's device, checked to share the target's vocabulary."""
-    from ablate.job import load_model
+    from ablate.checkpoints.loader import load_model
 
     cfg = draft_model_config(name_or_path, target.config, overrides)
     device = next(target.parameters()).device

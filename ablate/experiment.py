@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from tqdm import tqdm
 
 from ablate import device as dev
 from ablate.analytic import CostModel
@@ -155,7 +156,7 @@ def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: E
 
 def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callable[[dict], LlamaModel],
                    workload: WorkloadConfig, engine_cfg: EngineConfig, registry: Registry,
-                   peaks: Peaks | None, progress: Callable[[str], None] = print) -> ExperimentResult:
+                   peaks: Peaks | None, progress: Callable[[str], None] = tqdm.write) -> ExperimentResult:
     if len({a.name for a in arms}) != len(arms):
         raise ValueError("experiment arms need distinct names")
     baseline = exp.baseline or arms[0].name
@@ -184,6 +185,7 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
     points = grid_points(exp, workload)
     total = len(points) * len(arms) * (exp.repeats + exp.warmup)
     done = 0
+    bar = tqdm(total=total, unit="run", desc=exp.name, leave=False, disable=None)   # None: only on a terminal
     for point, wl in points:
         for repeat in range(-exp.warmup, exp.repeats):
             order = arms if repeat % 2 == 0 else arms[::-1]
@@ -198,6 +200,7 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
                     run.row["goodput_req_s"] = goodput(run.requests, exp.ttft_slo_ms, exp.tpot_slo_ms,
                                                        run.row["duration_s"])
                 done += 1
+                bar.update()
                 progress(f"[{done}/{total}] {_point_label(point)} arm={arm.name} "
                          f"{'warm-up' if repeat < 0 else f'repeat {repeat}'}: "
                          f"{run.row['duration_s']:.3f} s, {run.row['output_throughput_tok_s']:.1f} tok/s")
@@ -207,6 +210,7 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
                 if not run.requests.empty:
                     request_frames.append(run.requests.assign(arm=arm.name, repeat=repeat, **point))
                 samples.setdefault(arm.name, run.sequences[0].output_token_ids)
+    bar.close()
     runs = pd.DataFrame(rows)
     requests_df = pd.concat(request_frames, ignore_index=True) if request_frames else pd.DataFrame()
     summary = summarise_arms(runs, list(points[0][0]), baseline, exp)

@@ -9,7 +9,6 @@ from ablate.engine import Engine
 from ablate.interfaces import Attention, Decoding, KVCache, ModelVariant, Scheduler
 from ablate.model.llama import LlamaModel
 from ablate.plugin import Plugin, PluginConfig, Slot, check_compatible
-from ablate.recorder import StepHook
 from ablate.registry import Registry
 from ablate.runner import ModelRunner
 

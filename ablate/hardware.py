@@ -7,7 +7,6 @@ bytes moved = read + write. FLOP/s: the best of a few large square matmuls in th
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -75,9 +74,3 @@ def peaks(device: torch.device, dtype: torch.dtype, bandwidth: float = 0.0, flop
         tmp.replace(path)
     return Peaks(bandwidth or measured.bandwidth_bytes_s, flops or measured.flops, measured.source)
 
-
-def timed(fn, device: torch.device) -> float:
-    start = time.perf_counter()
-    fn()
-    dev.synchronize(device)
-    return time.perf_counter() - start

@@ -4,7 +4,6 @@ No Hydra here: the CLI hands over the resolved config as a plain dict.
 """
 from __future__ import annotations
 
-import json
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -88,7 +87,7 @@ def _store(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Experim
     folder.write_table("runs", result.runs)
     folder.write_table("requests", result.requests)
     folder.write_table("summary", result.summary)
-    notes = [f"arms: " + "; ".join(f"{a.name} = {a.label()}" for a in arms),
+    notes = ["arms: " + "; ".join(f"{a.name} = {a.label()}" for a in arms),
              f"model {cfg.model.name} ({cfg.model.dtype}), {cfg.workload.num_requests} requests, "
              f"prompt {cfg.workload.prompt_len}, output {cfg.workload.output_len}, "
              f"{cfg.experiment.repeats} repeats after {cfg.experiment.warmup} warm-up",

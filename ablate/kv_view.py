@@ -53,7 +53,7 @@ class PagedKV:
         return self.k_cache.shape[1]
 
     def padded(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        b, s = step.num_seqs, step.max_context_len
+        s = step.max_context_len
         num_blocks = -(-s // self.block_size)
         table = self.block_tables[:, :num_blocks].long()                  # (B, nb)
         k = self.k_cache[table].flatten(1, 2)[:, :s]                       # (B, S, H_kv, D)

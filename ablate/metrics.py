@@ -18,6 +18,7 @@ PERCENTILES = (50, 90, 99)
 def request_table(rec: Recorder) -> pd.DataFrame:
     """One row per request: times in seconds relative to its arrival."""
     rows = []
+    start = rec_start(rec)
     for r in rec.requests.values():
         times = [t for t, _ in r.emissions]
         first, last = (times[0], times[-1]) if times else (np.nan, np.nan)
@@ -27,7 +28,7 @@ def request_table(rec: Recorder) -> pd.DataFrame:
             "request_id": r.request_id,
             "prompt_tokens": r.num_prompt_tokens,
             "output_tokens": n_out,
-            "arrival_s": r.arrival - rec_start(rec),
+            "arrival_s": r.arrival - start,
             "ttft_s": ttft,
             "queue_s": (r.first_scheduled - r.arrival) if r.first_scheduled is not None else np.nan,
             "tpot_s": (e2e - ttft) / (n_out - 1) if n_out > 1 else np.nan,
@@ -35,7 +36,7 @@ def request_table(rec: Recorder) -> pd.DataFrame:
             "itl_mean_s": float(np.mean(np.diff(times))) if len(times) > 1 else np.nan,
             "num_emissions": len(times),
             "tokens_per_emission": n_out / len(times) if times else np.nan,
-            "finish_s": (r.finish - rec_start(rec)) if r.finish is not None else np.nan,
+            "finish_s": (r.finish - start) if r.finish is not None else np.nan,
             "finish_reason": r.finish_reason,
             "preemptions": r.num_preemptions,
         })

@@ -1,7 +1,6 @@
 """Per-request timestamps and per-step counters, gathered through the engine's hooks."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from ablate.analytic import CostModel
@@ -90,6 +89,3 @@ class Recorder(StepHook):
         rec = self.requests[seq.seq_id]
         rec.finish, rec.finish_reason, rec.num_preemptions = at, seq.finish_reason, seq.num_preemptions
 
-
-def clock() -> float:
-    return time.perf_counter()

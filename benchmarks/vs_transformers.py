@@ -18,7 +18,6 @@ import time
 import numpy as np
 import torch
 
-from ablate import device as dev
 from ablate import hardware
 from ablate.arm import baseline_configs, resolve_arm
 from ablate.build import EngineConfig

@@ -32,19 +32,6 @@ REPO = Path(__file__).resolve().parent.parent
 FAST = ["device=cpu", "threads=1", "peak_bandwidth=1e10", "peak_flops=1e11"]
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """torch on one CPU thread for a module's tests (`pytestmark = pytest.mark.usefixtures("one_thread")`).
-
-    The machines have 2 cores, often shared with other work: OpenMP threads spinning on an
-    oversubscribed core make the tiny model's small matmuls many times slower than one thread.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _wandb_home(tmp_path_factory):
     """W&B's own config, cache and artifact folders in a temporary folder, not in $HOME."""

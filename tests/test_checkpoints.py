@@ -27,15 +27,6 @@ TOL = 1e-3               # max |logit difference| in fp32
 NEW_TOKENS = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One intra-op thread while these tests run: the models are small, and on a busy 2-core
-    machine two OpenMP threads wait on each other at every op (20x slower measured here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def greedy(logits_fn, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
     """n greedy tokens: argmax of the last row, append, run the whole sequence again."""

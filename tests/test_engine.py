@@ -10,7 +10,6 @@ from ablate.model.llama import LlamaModel
 from ablate.request import Request, SamplingParams, Sequence
 from ablate.sampling import probabilities
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT_LENS = [3, 11, 17, 30]
 MAX_NEW = [9, 4, 13, 6]          # every sequence finishes at a different step

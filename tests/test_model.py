@@ -16,7 +16,6 @@ from ablate.model.config import PRESETS, ModelConfig, preset
 from ablate.model.llama import Forward, LlamaModel
 from ablate.request import Request, Sequence
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def unique_params(model: torch.nn.Module) -> int:

@@ -23,7 +23,6 @@ from ablate.registry import GROUP, PluginInfo, Registry, UnknownPlugin, discover
 from ablate_kv_cache.contiguous import ContiguousKVCache
 from ablate_kv_cache.dynamic import DynamicKVCache
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 BUILT_INS = {
     ("variant", "none"): "ablate",

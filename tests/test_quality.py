@@ -16,15 +16,6 @@ from ablate.quality import perplexity, sequence_logits, token_nlls
 from ablate.text_data import heldout_tokens
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One intra-op thread while these tests run: the models are small, and on a busy 2-core
-    machine two OpenMP threads wait on each other at every op (20x slower measured here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def tiny() -> LlamaModel:

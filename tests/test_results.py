@@ -15,7 +15,6 @@ from ablate.recorder import Recorder, RequestRecord, StepRecord
 from ablate.results import config_hash, load, runs_under
 from ablate.stats import bootstrap_ci, coefficient_of_variation, ratio_summary
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 SMALL = ["experiment.repeats=2", "experiment.warmup=0", "workload.num_requests=2", "workload.prompt_len=8",
          "workload.output_len=4"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import torch
 
 from ablate.checkpoints import loader
 from ablate.model.config import preset
@@ -21,15 +20,6 @@ EXTRA_TEXTS = [
     "x" * 300,
 ]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One intra-op thread while these tests run: the models are small, and on a busy 2-core
-    machine two OpenMP threads wait on each other at every op (20x slower measured here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

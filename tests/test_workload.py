@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from ablate.config import build
 from ablate.workload import LENGTH_DISTS, WorkloadConfig, make_requests
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def lengths(requests) -> tuple[np.ndarray, np.ndarray]:

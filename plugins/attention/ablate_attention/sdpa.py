@@ -32,6 +32,12 @@ def sdpa_backend(q, k, v, mask, is_causal: bool) -> str:
         return "unknown"
 
 
+def _plain_causal(step: StepInputs) -> bool:
+    """Every sequence is a whole prompt of the same length with no history: is_causal says it all."""
+    no_history = all(ql == cl for ql, cl in zip(step.query_lens, step.context_lens))
+    return no_history and len(set(step.query_lens)) == 1
+
+
 class SDPAAttention(Attention):
     name = "sdpa"
     config_class = SDPAConfig
@@ -50,8 +56,7 @@ class SDPAAttention(Attention):
         k, v = view.padded(step)                                     # (B, S, H_kv, D)
         qp = pad_queries(q, step).transpose(1, 2)                    # (B, H, Lq, D)
         k, v = k.transpose(1, 2), v.transpose(1, 2)                  # (B, H_kv, S, D)
-        no_history = all(ql == cl for ql, cl in zip(step.query_lens, step.context_lens))
-        is_causal = no_history and len(set(step.query_lens)) == 1
+        is_causal = step.memo("sdpa_is_causal", lambda: _plain_causal(step))
         mask = None if is_causal else causal_mask(step)[:, None]     # (B, 1, Lq, S)
         kind = "decode" if step.is_decode else "causal" if is_causal else "masked"
         if kind not in self.backends:

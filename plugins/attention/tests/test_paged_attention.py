@@ -21,7 +21,6 @@ from ablate.plugin import Slot  # noqa: E402
 from ablate.request import Request, Sequence  # noqa: E402
 from ablate_attention import paged as paged_attention  # noqa: E402
 
-torch.set_num_threads(1)
 
 needs_triton = pytest.mark.skipif(
     not ablate_kernels.triton_available("cpu"),

@@ -14,7 +14,6 @@ from ablate.registry import Registry, default_registry
 from ablate.request import Request, SamplingParams
 
 # two shared cores: one thread each is fastest for tiny matmuls
-torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ablate.batch import StepInputs
-from ablate.build import BuildContext
 from ablate.request import Sequence
 from ablate_kv_cache.slot_cache import SlotCacheConfig, SlotKVCache
 

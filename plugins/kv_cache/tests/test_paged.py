@@ -4,14 +4,12 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from ablate.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
 from ablate.build import EngineConfig
 from ablate.recorder import Recorder
 from ablate.request import Request, Sequence
 
-torch.set_num_threads(1)   # tiny matmuls on shared cores: one thread is fastest
 
 PROMPT_LENS = [3, 11, 17, 30]
 MAX_NEW = [9, 4, 13, 6]        # every sequence finishes at a different step

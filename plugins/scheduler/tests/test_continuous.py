@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from ablate.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
 from ablate.build import EngineConfig
@@ -13,7 +12,6 @@ from ablate.recorder import Recorder
 from ablate.request import Request, Sequence
 from ablate.workload import WorkloadConfig, textbook_requests
 
-torch.set_num_threads(1)   # tiny matmuls on shared cores: one thread is fastest
 
 PROMPT_LENS = [3, 30, 11, 17, 6, 24]
 MAX_NEW = [12, 4, 15, 7, 2, 10]

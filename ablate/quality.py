@@ -1,4 +1,5 @@
-"""Quality metrics any arm can report: logits over a whole text, and perplexity."""
+"""Quality metrics any arm can report: logits over a whole text, and perplexity, of the bare model
+(`perplexity`) or through an arm's engine (`runner_perplexity`), where its plugins are in the path."""
 from __future__ import annotations
 
 import torch
@@ -63,3 +64,41 @@ def perplexity(model: LlamaModel, token_ids: list[int], window: int = 512, strid
     """exp( (1 / (N-1)) * sum_{i=1}^{N-1} -log p(x_i | x_{b(i)} .. x_{i-1}) ), b(i) the start of the
     window that scores token i (see `token_nlls`); the sum is accumulated in float64."""
     return float(torch.exp(token_nlls(model, token_ids, window, stride).double().mean()))
+
+
+@torch.inference_mode()
+def runner_token_nlls(runner: ModelRunner, token_ids: list[int], num_prefill: int = 1) -> torch.Tensor:
+    """-log p(x_i | x_0 .. x_{i-1}) for i = num_prefill .. N-1, fp32, (N - num_prefill,), as the
+    runner's model, KV cache and attention compute them.
+
+    Teacher forcing: the first `num_prefill` tokens go in as one prompt step, then every true
+    token in a step of its own, as decoding feeds the tokens it emits; each step's logits score
+    the token that comes next. So a cache that evicts, compresses or approximates acts on the
+    scored text exactly as it would on generated text (`token_nlls` scores the bare model instead).
+    """
+    n = len(token_ids)
+    if not 1 <= num_prefill < n:
+        raise ValueError(f"need 1 <= num_prefill < len(token_ids), got num_prefill={num_prefill} for {n} tokens")
+    cache = runner.kv_cache
+    seq = Sequence(Request(0, tuple(token_ids[:num_prefill]), max_new_tokens=n - num_prefill))
+    if not cache.can_admit(seq):
+        raise RuntimeError(f"kv_cache={cache.name} cannot admit a sequence to score")
+    cache.admit(seq)
+    scored: list[torch.Tensor] = []
+    try:
+        for i in range(num_prefill, n):                           # this step's logits predict token i
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if not cache.grow(seq, num_new):
+                raise RuntimeError(f"kv_cache={cache.name} has no room for token {i} of the scored text")
+            logits, _ = runner.forward(Batch([seq], [num_new]))   # (1, V)
+            scored.append(-torch.log_softmax(logits[-1].float(), dim=-1)[token_ids[i]])
+            seq.token_ids.append(token_ids[i])                    # the true token, not a sampled one
+    finally:
+        cache.release(seq)
+    return torch.stack(scored).cpu()
+
+
+def runner_perplexity(runner: ModelRunner, token_ids: list[int], num_prefill: int = 1) -> float:
+    """exp( mean_{i >= num_prefill} -log p(x_i | x_<i) ) through the runner (`runner_token_nlls`),
+    the mean accumulated in float64."""
+    return float(torch.exp(runner_token_nlls(runner, token_ids, num_prefill).double().mean()))

@@ -6,7 +6,8 @@
 Checks: the config dataclass round-trips through Hydra's ConfigStore and composition; declared
 requirements are enforced (the plugin is refused beside a plugin it does not support, naming
 both); a plugin that declares itself exact gives the baseline's greedy tokens, token for token,
-on a ragged batch whose sequences finish at different steps; the declared stats keys appear.
+on a ragged batch whose sequences finish at different steps; one that is not exact declares a
+quality bound (`Plugin.quality`) and stays within it; the declared stats keys appear.
 """
 from __future__ import annotations
 
@@ -19,10 +20,14 @@ from ablate.build import EngineConfig
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
 from ablate.plugin import IncompatiblePlugins, Plugin, Slot, check_compatible
+from ablate.quality import runner_perplexity
 from ablate.registry import Registry, default_registry
-from ablate.request import Request, Sequence
+from ablate.request import Request, SamplingParams, Sequence
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+# the slots a forward pass of the runner goes through: what teacher-forced perplexity can score
+RUNNER_SLOTS = (Slot.MODEL, Slot.KV_CACHE, Slot.ATTENTION)
 
 # prompts of different lengths and outputs that end at different steps
 RAGGED = [(3, 5), (9, 11), (17, 8), (6, 1)]
@@ -110,6 +115,63 @@ def check_greedy_matches_baseline(registry: Registry, slot: Slot, name: str, mod
     return built
 
 
+def sampled_text(registry: Registry, model: LlamaModel, num_tokens: int, seed: int = 0) -> list[int]:
+    """`num_tokens` tokens the baseline writes itself: a seeded first token, then sampling at temperature 1.
+
+    Why its own text: for x drawn from the baseline's p, E[log p(x) - log q(x)] = KL(p || q) >= 0,
+    so perplexity(plugin q) / perplexity(baseline p) on it estimates exp(mean per-token KL): how far
+    the plugin moves the model's predictions, meaningful even on random weights, where no real
+    text has structure the model knows.
+    """
+    import random
+    first = random.Random(seed).randrange(model.config.vocab_size)
+    request = Request(0, (first,), num_tokens - 1, SamplingParams(temperature=1.0, seed=seed))
+    built = build_arm(resolve_arm("baseline", {}, baseline_configs(registry), registry), model,
+                      EngineConfig(max_num_seqs=1), num_tokens, registry)
+    seq = built.engine.run([request])[0]
+    built.close()
+    return seq.token_ids
+
+
+def arm_perplexity(registry: Registry, spec: dict[str, Any], model: LlamaModel, token_ids: list[int]) -> float:
+    """Teacher-forced perplexity of `token_ids` through the arm's own runner (its plugins in the path)."""
+    arm = resolve_arm("quality", spec, baseline_configs(registry), registry)
+    built = build_arm(arm, model, EngineConfig(max_num_seqs=1), len(token_ids), registry)
+    try:
+        return runner_perplexity(built.engine.runner, token_ids)
+    finally:
+        built.close()
+
+
+def check_quality(registry: Registry, slot: Slot, name: str, model: LlamaModel,
+                  token_ids: list[int] | None = None) -> tuple[float, float] | None:
+    """Plugins that are not exact: perplexity through the plugin's arm / the baseline's <= the
+    declared bound, on `token_ids` (default: `sampled_text` of the bound's length). Returns
+    (baseline's perplexity, the plugin's); None for an exact plugin (its tokens are checked instead)."""
+    cls = registry.get(slot, name)
+    if cls.exact:
+        return None
+    bound = cls.quality
+    assert bound is not None, (
+        f"{slot.value}={name} declares exact = False but no quality bound: set `quality = QualityBound("
+        f"max_ratio=..., num_tokens=..., config={{...}})` (ablate.plugin) on {cls.__name__}, the largest "
+        "perplexity ratio to the baseline it may cost, so that the kit can check it")
+    assert slot in RUNNER_SLOTS, (
+        f"{slot.value}={name} is not exact, but the kit scores quality by teacher forcing through the "
+        f"runner, which a {slot.value} plugin is not part of: it cannot check this plugin's bound")
+    token_ids = token_ids or sampled_text(registry, model, bound.num_tokens)
+    spec = arm_spec(registry, slot, name)
+    spec[slot.value] = {"name": name, **bound.config}
+    baseline = arm_perplexity(registry, {}, model, token_ids)
+    got = arm_perplexity(registry, spec, model, token_ids)
+    options = " ".join(f"{slot.value}.{k}={v}" for k, v in bound.config.items())
+    assert got <= bound.max_ratio * baseline, (
+        f"{slot.value}={name}{' (' + options + ')' if options else ''}: perplexity {got:.3f} against the "
+        f"baseline's {baseline:.3f} over {len(token_ids)} tokens, ratio {got / baseline:.3f} exceeds the "
+        f"declared bound {bound.max_ratio}")
+    return baseline, got
+
+
 def check_stats(built: BuiltArm, plugin: Plugin) -> None:
     stats = plugin.stats()
     missing = [k for k in type(plugin).stats_keys if k not in stats]
@@ -127,3 +189,4 @@ def check_plugin(slot: Slot | str, name: str, registry: Registry | None = None,
     built = check_greedy_matches_baseline(registry, slot, name, model)
     check_stats(built, built.plugins[slot])
     built.close()
+    check_quality(registry, slot, name, model)

@@ -55,7 +55,7 @@ from ablate.interfaces import ModelVariant
 from ablate.model.config import ModelConfig
 from ablate.model.llama import LlamaModel, RotaryEmbedding, SelfAttention, llama3_scaled_inv_freq
 from ablate.model.mla import MultiHeadLatentAttention
-from ablate.plugin import PluginConfig
+from ablate.plugin import PluginConfig, QualityBound
 from ablate_variants.calibration import attention_input_moments, calibration_token_ids
 from ablate_variants.rebuild import with_new_attention
 
@@ -208,6 +208,9 @@ class LatentKV(ModelVariant):
     name = "mla"
     config_class = MLAConfig
     exact = False                      # low rank and position-free dims change the model's outputs
+    # the kit's check, on the tiny random model: the defaults (full rank, all of RoPE) are lossless,
+    # so a rank and rotary width that approximate; ratio 1.38 measured
+    quality = QualityBound(max_ratio=1.6, num_tokens=96, config={"rank": 16, "rope_frequencies": 4})
     stats_keys = ("kv_latent_dim", "rope_head_dim", "svd_relative_error")   # error: see low_rank
 
     def __init__(self, config: MLAConfig, ctx: BuildContext) -> None:

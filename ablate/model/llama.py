@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ablate.model.config import ModelConfig
+from ablate.model.linear import Linear
 
 if TYPE_CHECKING:
     from ablate.batch import StepInputs
@@ -93,8 +94,8 @@ class SelfAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q_size = cfg.n_heads * cfg.head_dim
         self.kv_size = cfg.n_kv_heads * cfg.head_dim
-        self.wqkv = nn.Linear(cfg.d_model, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(self.q_size, cfg.d_model, bias=False)
+        self.wqkv = Linear(cfg.d_model, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.wo = Linear(self.q_size, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:
         t = x.shape[0]
@@ -111,8 +112,8 @@ class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.d_ff = cfg.d_ff
-        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
-        self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.w_gate_up = Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.w_down = Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.d_ff, dim=-1)
@@ -156,7 +157,7 @@ class LlamaModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=torch.empty(cfg.vocab_size, cfg.d_model))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tied_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = rotary_embedding(cfg)

@@ -48,6 +48,7 @@ from torch import nn
 
 from ablate.kv_view import KVView, PackedKV, PagedKV, PaddedKV
 from ablate.model.config import ModelConfig
+from ablate.model.linear import Linear
 from ablate.model.llama import apply_rope
 
 if TYPE_CHECKING:
@@ -63,10 +64,10 @@ class MultiHeadLatentAttention(nn.Module):
         self.latent_dim, self.rope_dim = cfg.kv_latent_dim, cfg.rope_head_dim
         self.q_size = cfg.n_heads * (cfg.head_dim + cfg.rope_head_dim)
         # W_Q, W_DKV and W_KR fused into one matmul (as wqkv is in SelfAttention)
-        self.wq_ckv_kr = nn.Linear(cfg.d_model, self.q_size + self.latent_dim + self.rope_dim, bias=False)
-        self.w_uk = nn.Linear(self.latent_dim, cfg.n_heads * cfg.head_dim, bias=False)   # W_UK: c -> k_h^C, all heads
-        self.w_uv = nn.Linear(self.latent_dim, cfg.n_heads * cfg.head_dim, bias=False)   # W_UV: c -> v_h, all heads
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.wq_ckv_kr = Linear(cfg.d_model, self.q_size + self.latent_dim + self.rope_dim, bias=False)
+        self.w_uk = Linear(self.latent_dim, cfg.n_heads * cfg.head_dim, bias=False)   # W_UK: c -> k_h^C, all heads
+        self.w_uv = Linear(self.latent_dim, cfg.n_heads * cfg.head_dim, bias=False)   # W_UV: c -> v_h, all heads
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.absorb = True      # decode with the up-projections absorbed; False: the explicit path (checks)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:

@@ -64,6 +64,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--drafters", nargs="+", default=["ngram", "early_exit", "layer_skip", "draft_model"])
     p.add_argument("--ngram-n", type=int, default=3)
+    p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--exit-layer", type=int, default=10)
     p.add_argument("--skip-every", type=int, default=2)
     p.add_argument("--draft-model", default="smollm2-135m", help="preset or checkpoint path (same vocabulary)")
@@ -78,7 +79,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def drafter_options(args: argparse.Namespace, drafter: str) -> dict[str, Any]:
-    return {"ngram": {"ngram_n": args.ngram_n}, "early_exit": {"exit_layer": args.exit_layer},
+    return {"ngram": {"ngram_n": args.ngram_n, "ngram_min": args.ngram_min}, "early_exit": {"exit_layer": args.exit_layer},
             "layer_skip": {"skip_every": args.skip_every},
             "draft_model": {"draft_model": args.draft_model, "draft_overrides": json.loads(args.draft_overrides)},
             }[drafter]

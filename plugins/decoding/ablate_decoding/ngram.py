@@ -1,7 +1,9 @@
 """drafter=ngram: prompt lookup. No model: the drafts are text that already appeared.
 
 The last n tokens of prompt + output are searched for earlier in it; the tokens that followed the
-most recent earlier occurrence are proposed. Where the output quotes the prompt (editing,
+most recent earlier occurrence are proposed. n runs from `n_max` down to `n_min` (vLLM's
+prompt_lookup_max/min): a long match is the better evidence, a short one still drafts where the
+output paraphrases its source and only a word or two in a row agree. Where the output quotes the prompt (editing,
 summarising, code) the continuation is often exactly that text. The drafts are deterministic, so
 q = one-hot: a draft x is accepted with probability p(x) (greedy: iff it is the target's argmax).
 """
@@ -29,10 +31,15 @@ def lookup(tokens: list[int], n: int, k: int) -> list[int]:
 class NgramDrafter(Drafter):
     name = "ngram"
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n_max: int, n_min: int) -> None:
+        self.n_max, self.n_min = n_max, n_min
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if found := lookup(tokens, n, k):
+                return found
+        return []
 
     def propose(self, seqs: list[Sequence], num_drafts: list[int]
                 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        tokens = [lookup(seq.token_ids, self.n, k) for seq, k in zip(seqs, num_drafts)]
-        return tokens, [None] * len(seqs)
+        return [self.draft(seq.token_ids, k) for seq, k in zip(seqs, num_drafts)], [None] * len(seqs)

@@ -45,7 +45,8 @@ class SpeculativeConfig(PluginConfig):
     # draft_model: model fields set on the draft's config, e.g. {seed: 1} or {init: random}; by
     # default the draft takes the target's init and dtype
     draft_overrides: dict[str, Any] = field(default_factory=dict)
-    ngram_n: int = 3               # ngram: how many trailing tokens must match an earlier occurrence
+    ngram_n: int = 3               # ngram: the longest run of trailing tokens matched to an earlier occurrence
+    ngram_min: int = 1             # ngram: ... and the shortest, tried when no longer run matches
     exit_layer: int = 1            # early_exit: run the target's first N layers, then its norm and head
     skip_every: int = 2            # layer_skip: run the target's layers 0, m, 2m, ... and its last
     seed: int = 0                  # seeds requests that carry no seed of their own
@@ -60,8 +61,9 @@ class SpeculativeConfig(PluginConfig):
                              "decoding.drafter=draft_model")
         if not isinstance(self.draft_overrides, dict):
             raise ValueError(f"decoding.draft_overrides must be a mapping of model fields, got {self.draft_overrides!r}")
-        if self.ngram_n < 1:
-            raise ValueError(f"decoding.ngram_n must be >= 1, got {self.ngram_n}")
+        if not 1 <= self.ngram_min <= self.ngram_n:
+            raise ValueError(f"decoding.ngram_n and ngram_min need 1 <= ngram_min <= ngram_n, "
+                             f"got ngram_n={self.ngram_n}, ngram_min={self.ngram_min}")
         if self.exit_layer < 1:
             raise ValueError(f"decoding.exit_layer must be >= 1, got {self.exit_layer}")
         if self.skip_every < 1:
@@ -70,7 +72,7 @@ class SpeculativeConfig(PluginConfig):
 
 def make_drafter(config: SpeculativeConfig, ctx: BuildContext, sampler: Sampler) -> Drafter:
     if config.drafter == "ngram":
-        return NgramDrafter(config.ngram_n)
+        return NgramDrafter(config.ngram_n, config.ngram_min)
     target = ctx.model
     n = target.config.n_layers
     if config.drafter == "draft_model":

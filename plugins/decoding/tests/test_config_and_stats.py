@@ -9,7 +9,7 @@ from ablate.model.config import preset
 from ablate.plugin import Slot
 from ablate_decoding.acceptance import accept_greedy
 from ablate_decoding.draft_models import draft_model_config, layer_skip_layers, layer_subset
-from ablate_decoding.ngram import lookup
+from ablate_decoding.ngram import NgramDrafter, lookup
 from ablate_decoding.spec_stats import SpeculativeStats, expected_tokens_per_pass, predicted_speedup
 from ablate_decoding.speculative import SpeculativeConfig
 
@@ -73,6 +73,13 @@ def test_ngram_lookup():
     assert lookup(tokens, 3, 9) == [7, 8, 1, 2, 3]   # up to what follows it
     assert lookup([5, 6, 7], 2, 4) == []             # no earlier occurrence
     assert lookup([4, 4, 4], 1, 3) == [4]            # overlapping occurrences are fine
+
+
+def test_ngram_drafter_falls_back_to_shorter_matches():
+    tokens = [1, 2, 3, 9, 5, 3]                       # (5, 3) never occurred before, 3 did
+    assert NgramDrafter(2, 2).draft(tokens, 2) == []
+    assert NgramDrafter(2, 1).draft(tokens, 2) == [9, 5]
+    assert NgramDrafter(3, 1).draft([1, 2, 3, 7, 2, 3, 8, 1, 2, 3], 1) == [7]   # the longest match first
 
 
 def test_greedy_rule():

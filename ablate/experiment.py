@@ -55,6 +55,8 @@ class ExperimentConfig:
     track_memory: bool = False
     kind: str = "engine"                  # engine: arms through the engine; costs: the cost calculator only
                                           # (ablate/costs.py; no model is loaded, arms and grid are unused)
+    # techniques -> arms instead of `arms` (ablate/ablation.py): full, baseline, leave-one-out, add-one-in
+    ablation: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in ("engine", "costs"):
@@ -69,6 +71,21 @@ class ExperimentConfig:
                                  f"{', '.join(WorkloadConfig.__dataclass_fields__)}")
             if not isinstance(values, (list, tuple)) or not values:
                 raise ValueError(f"experiment.grid.{key} must be a non-empty list of values")
+        if self.ablation:
+            self._check_ablation()
+
+    def _check_ablation(self) -> None:
+        from ablate.ablation import parse_ablation
+
+        parse_ablation(self.ablation)    # refuses a malformed technique list before anything runs
+        if self.arms:
+            raise ValueError("experiment.arms and experiment.ablation are both set: an ablation makes its own arms")
+        if self.grid:   # contributions compare arms on one workload
+            raise ValueError("experiment.ablation measures one workload: leave experiment.grid empty "
+                             "(or sweep workload fields with -m)")
+        if not self.recorder or self.kind != "engine":
+            raise ValueError("experiment.ablation needs experiment.recorder=true and kind=engine: its "
+                             "contributions are latency percentiles and KV bytes the recorder measures")
 
 
 @dataclass

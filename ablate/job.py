@@ -14,6 +14,8 @@ import torch
 from ablate import device as dev
 from ablate import hardware
 from ablate.checkpoints.loader import load_model
+from ablate.ablation import ARMS_TABLE, plan_arms, plan_table
+from ablate.ablation_report import wandb_extras
 from ablate.arm import BASELINE, Arm, baseline_configs, resolve_arm
 from ablate.config import RunConfig, to_run_config
 from ablate.experiment import ExperimentResult, run_experiment
@@ -30,6 +32,8 @@ NOT_MEASURED = ("wandb", "redo", "results_dir")
 
 def make_arms(cfg: RunConfig, plugins: dict[Slot, PluginConfig], registry: Registry) -> list[Arm]:
     """The experiment's arms over the composed slots; with none given: the baseline vs the composition."""
+    if cfg.experiment.ablation:    # techniques -> arms (ablate/ablation.py); skipped ones are not arms
+        return plan_arms(cfg.experiment.ablation, plugins, registry)[0]
     if cfg.experiment.arms:
         return [resolve_arm(name, spec, plugins, registry) for name, spec in cfg.experiment.arms.items()]
     baseline = resolve_arm("baseline", {}, baseline_configs(registry), registry)
@@ -53,6 +57,11 @@ def run_job(raw: dict[str, Any], registry: Registry, swallow_errors: bool = Fals
         return folder
     folder.start(raw, environment(dev.describe(device)), redo=cfg.redo)
     print(f"results: {folder.path}")
+    if cfg.experiment.ablation:    # every planned arm, measured or skipped with the reason, for the report
+        plan = plan_table(cfg.experiment.ablation, plugins, registry)
+        folder.write_table(ARMS_TABLE, plan)
+        for row in plan[plan["status"] == "skipped"].itertuples():
+            print(f"ablation: arm {row.arm} ({row.roles}) skipped: {row.reason}")
     try:
         if cfg.experiment.kind == "costs":    # analytic only (ch07): no model is loaded, no engine runs
             from ablate.costs import run_costs_job
@@ -93,15 +102,17 @@ def _store(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Experim
              f"{cfg.experiment.repeats} repeats after {cfg.experiment.warmup} warm-up",
              "speedup = baseline time / arm time per round, median [bootstrap 95% CI]; "
              "predicted = the analytic roofline's ratio"]
-    report, figures = write_report(folder.path, result.summary, point_keys, cfg.experiment.name, notes)
+    report, figures = write_report(folder.path, result.summary, point_keys, cfg.experiment.name, notes,
+                                   result.runs)
     print()
     print(summary_table(result.summary, point_keys).to_string(index=False))
     if result.samples:
         print(f"\n{_sample_text(cfg, *next(iter(result.samples.items())))}")
     tags = [cfg.experiment.chapter, cfg.model.name] + [a.label() for a in arms]
+    ablation_summary, ablation_tables = wandb_extras(folder.path)    # nothing unless an ablation
     wandb_dir = log_run(cfg.wandb, name=f"{cfg.experiment.name}-{folder.path.name}", group=cfg.experiment.name,
-                        tags=tags, config=raw, summary=summary_metrics(result.summary, point_keys),
-                        tables={"summary": result.summary, "runs": result.runs},
+                        tags=tags, config=raw, summary=summary_metrics(result.summary, point_keys) | ablation_summary,
+                        tables={"summary": result.summary, "runs": result.runs, **ablation_tables},
                         images=figures, default_dir=folder.path)
     folder.finish("done", wandb_dir=wandb_dir)
     print(f"\nreport: {report}" + (f"\nW&B run: {wandb_dir}" if wandb_dir else ""))

@@ -52,6 +52,11 @@ def _num(x: float) -> str:
     return "-" if pd.isna(x) else f"{x:,.1f}"
 
 
+def _fmt(spec: str, suffix: str = ""):
+    """A formatter for a table cell: '-' for a missing value, else format(x, spec) + suffix."""
+    return lambda x: "-" if pd.isna(x) else format(x, spec) + suffix
+
+
 def _column(summary: pd.DataFrame, name: str) -> pd.Series:
     return summary[name] if name in summary else pd.Series([math.nan] * len(summary), index=summary.index)
 
@@ -90,25 +95,89 @@ def _serving_columns(summary: pd.DataFrame) -> dict[str, list[str]]:
     return columns
 
 
-def markdown(title: str, summary: pd.DataFrame, point_keys: list[str], notes: list[str]) -> str:
-    table = summary_table(summary, point_keys)
-    lines = [f"# {title}", "", table.to_markdown(index=False), ""]
-    lines += [f"- {n}" for n in notes]
-    return "\n".join(lines) + "\n"
+def speculative_table(summary: pd.DataFrame, point_keys: list[str]) -> pd.DataFrame | None:
+    """Per speculative arm: k, acceptance, tokens per target pass, cost ratio and both speedups."""
+    if "decoding.k" not in summary or summary["decoding.k"].isna().all():
+        return None
+    spec = summary[summary["decoding.k"].notna()]
+    return pd.DataFrame({
+        **{k: spec[k] for k in point_keys},
+        "arm": spec["arm"],
+        "drafter": spec["decoding.drafter"] if "decoding.drafter" in spec else "-",
+        "k": spec["decoding.k"].map(_fmt(".0f")),
+        "alpha": _column(spec, "decoding.alpha").map(_fmt(".3f")),
+        "accepted / proposed": _column(spec, "decoding.acceptance_rate").map(_pct),
+        "tokens / target pass": _column(spec, "decoding.tokens_per_target_forward").map(_fmt(".2f")),
+        "cost ratio c": _column(spec, "decoding.cost_ratio").map(_fmt(".3f")),
+        "predicted (alpha, c)": _column(spec, "decoding.predicted_speedup").map(_fmt(".2f", "x")),
+        "measured [95% CI]": spec.apply(speedup_text, axis=1),
+    })
 
+
+def kv_table(frame: pd.DataFrame, point_keys: list[str]) -> pd.DataFrame | None:
+    """KV bytes per token, what the cache held and how many sequences it admitted, when the arms'
+    bytes per token differ (GQA, MQA, MLA: the memory/concurrency/quality trade)."""
+    per_token = _column(frame, "kv_bytes_per_token")
+    if per_token.isna().all() or per_token.nunique() < 2:
+        return None
+    table = pd.DataFrame({
+        **{k: frame[k] for k in point_keys},
+        "arm": frame["arm"],
+        "KV bytes / token": per_token.map(_fmt(",.0f")),
+        "KV reserved MiB": _column(frame, "kv_reserved_peak_bytes").map(_mib),
+        "seqs at once (peak)": _column(frame, "seqs_admitted_max").map(_num),
+        "memory ratio": _column(frame, "memory_ratio").map(_fmt(".2f")),
+    })
+    if not _column(frame, "perplexity").isna().all():
+        table["perplexity"] = _column(frame, "perplexity").map(_fmt(".3f"))
+    return table
+
+
+def noise_notes(summary: pd.DataFrame, point_keys: list[str]) -> list[str]:
+    """One warning per arm and point whose run times varied more than NOISY_CV across repeats."""
+    from ablate.stats import NOISY_CV
+
+    notes = []
+    for _, row in summary[summary.get("noisy", pd.Series(False, index=summary.index)).astype(bool)].iterrows():
+        where = " ".join(f"{k}={row[k]}" for k in point_keys)
+        notes.append(f"**warning**: arm {row['arm']}{' at ' + where if where else ''}: run-time CV "
+                     f"{row['duration_cv']:.0%} is above {NOISY_CV:.0%}; the machine was noisy, treat it with care")
+    return notes
+
+
+def markdown(title: str, summary: pd.DataFrame, point_keys: list[str], notes: list[str],
+             figures: dict[str, Path] | None = None, runs: pd.DataFrame | None = None) -> str:
+    """The report page: the summary table, the tables the results call for, notes, then the figures."""
+    from ablate.plots import caption, with_run_columns
+
+    frame = with_run_columns(summary, runs, point_keys)
+    lines = [f"# {title}", "", summary_table(summary, point_keys).to_markdown(index=False), ""]
+    for heading, table in (("Speculative decoding", speculative_table(frame, point_keys)),
+                           ("KV bytes, memory and admission", kv_table(frame, point_keys))):
+        if table is not None:
+            lines += [f"## {heading}", "", table.to_markdown(index=False), ""]
+    lines += [f"- {n}" for n in [*notes, *noise_notes(summary, point_keys)]]
+    if figures:
+        lines += ["", "## Figures", ""]
+        for name, path in figures.items():
+            lines += [f"![{name}]({path.name})", "", f"*{caption(name)}*", ""]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def write_report(run_dir: Path, summary: pd.DataFrame, point_keys: list[str], title: str,
-                 notes: list[str]) -> tuple[Path, dict[str, Path]]:
-    """report.md and its PNG figures in the run folder; returns the report and the figures."""
+                 notes: list[str], runs: pd.DataFrame | None = None) -> tuple[Path, dict[str, Path]]:
+    """report.md and its PNG figures in the run folder; returns the report and the figures.
+
+    `runs` (one row per repeat) adds what the summary lacks: throughput CIs, KV bytes per token,
+    the drafter of speculative arms."""
+    from ablate.ablation_report import section as ablation_section
     from ablate.plots import draw
     from ablate.results import write_atomic
 
-    figures = draw(summary, point_keys, run_dir)
-    text = markdown(title, summary, point_keys, notes)
-    text += "\n" + "\n".join(f"![{name}]({path.name})" for name, path in figures.items()) + "\n"
-    write_atomic(run_dir / "report.md", text)
-    return run_dir / "report.md", figures
+    figures = draw(summary, point_keys, run_dir, runs)
+    ablation_text, ablation_figures = ablation_section(run_dir, runs)   # "" and {} unless an ablation
+    write_atomic(run_dir / "report.md", markdown(title, summary, point_keys, notes, figures, runs) + ablation_text)
+    return run_dir / "report.md", figures | ablation_figures
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,10 +195,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no finished runs under {args.path} (a run folder holds done.json)")
     for run_dir in runs:
         res = load(run_dir)
+        if res.summary.empty:   # a table job (cost calculator, micro-benchmark) writes its own report
+            print(f"{run_dir}: no summary.csv (not an experiment run), its report.md is left as it is")
+            continue
         exp = res.config.get("experiment", {})
         point_keys = list(exp.get("grid") or {})
         notes = [f"regenerated from {run_dir}", json.dumps(json.loads((run_dir / 'done.json').read_text()))]
-        report, _ = write_report(run_dir, res.summary, point_keys, exp.get("name", run_dir.parent.name), notes)
+        report, _ = write_report(run_dir, res.summary, point_keys, exp.get("name", run_dir.parent.name), notes,
+                                 res.runs)
         print(report)
 
 

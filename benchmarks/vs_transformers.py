@@ -57,8 +57,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache", default="contiguous")
     parser.add_argument("--attention", default="sdpa")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads for both engines; 0: torch's default")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"{torch.get_num_threads()} CPU threads")
 
     registry = default_registry()
     device = torch.device("cpu")

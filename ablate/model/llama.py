@@ -39,6 +39,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x / sqrt(mean(x^2) + eps) * w, normalised in fp32 as the reference implementations do
+        if x.dtype == torch.float32:      # one fused kernel, the weight included
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
 
 
@@ -99,10 +101,10 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.wqkv(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rope(q.view(t, self.n_heads, self.head_dim), *rope)       # (T, H, D)
-        k = apply_rope(k.view(t, self.n_kv_heads, self.head_dim), *rope)    # (T, H_kv, D)
-        v = v.view(t, self.n_kv_heads, self.head_dim)                       # (T, H_kv, D)
+        qkv = self.wqkv(x)                                                   # (T, (H + 2 H_kv) D)
+        qk = qkv[:, :self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(qk, *rope).split((self.n_heads, self.n_kv_heads), dim=1)   # (T, H, D), (T, H_kv, D)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.n_kv_heads, self.head_dim)   # (T, H_kv, D)
         fwd.kv_cache.write(self.layer, fwd.step, k, v)
         out = fwd.attention(q, fwd.kv_cache.view(self.layer, fwd.step), fwd.step)  # (T, H, D)
         return self.wo(out.reshape(t, self.q_size))
@@ -266,4 +268,8 @@ class LlamaModel(nn.Module):
         """Move to the device in the configured dtype; the RoPE tables stay fp32 for accuracy."""
         self.to(device=device, dtype=self.config.torch_dtype)
         self.rope.to(dtype=torch.float32)
+        if torch.device(device).type == "cpu":    # W^T contiguous: the fast matrix-vector layout on CPUs
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.input_major()
         return self.eval()

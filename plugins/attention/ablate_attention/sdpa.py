@@ -38,6 +38,11 @@ def _plain_causal(step: StepInputs) -> bool:
     return no_history and len(set(step.query_lens)) == 1
 
 
+def _unmasked(step: StepInputs) -> bool:
+    """One query per sequence and keys of one length: every query sees every key, no mask needed."""
+    return all(ql == 1 for ql in step.query_lens) and len(set(step.context_lens)) == 1
+
+
 class SDPAAttention(Attention):
     name = "sdpa"
     config_class = SDPAConfig
@@ -57,7 +62,8 @@ class SDPAAttention(Attention):
         qp = pad_queries(q, step).transpose(1, 2)                    # (B, H, Lq, D)
         k, v = k.transpose(1, 2), v.transpose(1, 2)                  # (B, H_kv, S, D)
         is_causal = step.memo("sdpa_is_causal", lambda: _plain_causal(step))
-        mask = None if is_causal else causal_mask(step)[:, None]     # (B, 1, Lq, S)
+        unmasked = is_causal or step.memo("sdpa_unmasked", lambda: _unmasked(step))
+        mask = None if unmasked else causal_mask(step)[:, None]      # (B, 1, Lq, S)
         kind = "decode" if step.is_decode else "causal" if is_causal else "masked"
         if kind not in self.backends:
             self.backends[kind] = sdpa_backend(qp, k, v, mask, is_causal)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ablate.model.config import ModelConfig
+from ablate.model.linear import Linear
 from ablate.model.llama import LlamaModel, RotaryEmbedding
 
 
@@ -27,6 +28,10 @@ def with_new_attention(model: LlamaModel, cfg: ModelConfig, new_attention: Calla
     for i, (layer, old) in enumerate(zip(new.layers, model.layers, strict=True)):
         layer.attn_norm, layer.mlp_norm, layer.mlp = old.attn_norm, old.mlp_norm, old.mlp
         layer.attn = new_attention(i, old.attn).to(device=reference.device, dtype=reference.dtype)
+        if reference.device.type == "cpu":     # the matrix-vector layout the loaded model has (linear.py)
+            for module in layer.attn.modules():
+                if isinstance(module, Linear):
+                    module.input_major()
     new.rope = model.rope if rope is None else rope.to(device=reference.device)   # tables stay fp32
     if hasattr(model, "checkpoint_notes"):
         new.checkpoint_notes = model.checkpoint_notes

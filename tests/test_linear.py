@@ -1,0 +1,42 @@
+"""The CPU matmul paths of ablate.model.linear.Linear compute F.linear, whatever the layout."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ablate.model.config import preset
+from ablate.model.linear import Linear
+from ablate.model.llama import LlamaModel
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("input_major", [False, True])
+def test_linear_matches_f_linear(rows, input_major):
+    torch.manual_seed(0)
+    layer = Linear(48, 80, bias=True)
+    want_weight = layer.weight.detach().clone()
+    if input_major:
+        layer.input_major()
+        assert layer.weight.stride() == (1, 80) and torch.equal(layer.weight, want_weight)
+    x = torch.randn(rows, 48)
+    with torch.inference_mode():
+        got = layer(x)
+    torch.testing.assert_close(got, F.linear(x, want_weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_weight_follows_in_place_edits():
+    layer = Linear(32, 16, bias=False)
+    x = torch.randn(4, 32)                 # 4 rows: the packed path
+    with torch.inference_mode():
+        layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)             # bumps the version: the packed copy is stale
+    with torch.inference_mode():
+        got = layer(x)
+    torch.testing.assert_close(got, F.linear(x, layer.weight.detach()), atol=1e-5, rtol=1e-5)
+
+
+def test_loaded_model_is_input_major_and_still_tied():
+    model = LlamaModel.random(preset("tiny", tied_embeddings=True))
+    assert model.lm_head.weight is model.embed.weight
+    assert model.lm_head.weight.stride() == (1, model.config.vocab_size)
+    assert model.layers[0].attn.wqkv.weight.stride()[0] == 1

@@ -40,3 +40,8 @@ def test_loaded_model_is_input_major_and_still_tied():
     assert model.lm_head.weight is model.embed.weight
     assert model.lm_head.weight.stride() == (1, model.config.vocab_size)
     assert model.layers[0].attn.wqkv.weight.stride()[0] == 1
+
+
+def test_bf16_model_keeps_row_major_weights():
+    model = LlamaModel.random(preset("tiny", dtype="bf16"))
+    assert model.layers[0].attn.wqkv.weight.is_contiguous()

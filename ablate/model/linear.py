@@ -16,7 +16,8 @@ One token (a decode step at batch 1) is a matrix-vector product, bound by readin
 oneDNN's blocked layout is no help (and slower with one thread), and MKL's gemv streams W fastest
 when each input's row of W^T is contiguous: `input_major()` stores W as the transpose of a
 contiguous (d_in, d_out) tensor (the same values, the strides swapped), so F.linear becomes
-y = x @ W^T over contiguous memory (55 -> 40 ms for SmolLM2's 121 matmuls on 2 cores).
+y = x @ W^T over contiguous memory (55 -> 40 ms for SmolLM2's 121 matmuls on 2 cores). fp32 only:
+PyTorch's bf16 products on a CPU without native bf16 are ~10x slower on the transposed layout.
 """
 from __future__ import annotations
 

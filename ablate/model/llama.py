@@ -268,7 +268,9 @@ class LlamaModel(nn.Module):
         """Move to the device in the configured dtype; the RoPE tables stay fp32 for accuracy."""
         self.to(device=device, dtype=self.config.torch_dtype)
         self.rope.to(dtype=torch.float32)
-        if torch.device(device).type == "cpu":    # W^T contiguous: the fast matrix-vector layout on CPUs
+        # W^T contiguous: MKL's fast fp32 matrix-vector layout (bf16/fp16 products are not MKL's, and
+        # PyTorch's own kernels for them are far slower on a transposed weight: keep those as they are)
+        if torch.device(device).type == "cpu" and self.config.torch_dtype == torch.float32:
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.input_major()

@@ -28,7 +28,7 @@ def with_new_attention(model: LlamaModel, cfg: ModelConfig, new_attention: Calla
     for i, (layer, old) in enumerate(zip(new.layers, model.layers, strict=True)):
         layer.attn_norm, layer.mlp_norm, layer.mlp = old.attn_norm, old.mlp_norm, old.mlp
         layer.attn = new_attention(i, old.attn).to(device=reference.device, dtype=reference.dtype)
-        if reference.device.type == "cpu":     # the matrix-vector layout the loaded model has (linear.py)
+        if reference.device.type == "cpu" and reference.dtype == torch.float32:   # as LlamaModel.finalize
             for module in layer.attn.modules():
                 if isinstance(module, Linear):
                     module.input_major()

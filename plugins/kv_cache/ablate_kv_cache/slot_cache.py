@@ -25,7 +25,36 @@ class SlotCacheConfig(BudgetConfig):
     """The budget (bytes or a fraction of free memory) caps the slots x capacity buffer."""
 
 
-class SlotKVCache(KVCache):
+class RowBuffers:
+    """K/V in one row per sequence of (layers, slots, capacity, H_kv, D) buffers `k` and `v`: where
+    a step's tokens are written, and the rows attention reads (shared by the slot caches and any
+    cache laid out the same way, e.g. plugins/streaming)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    capacity: int
+
+    def plan_rows(self, slots: list[int], step: StepInputs, shifts: list[int]) -> None:
+        """Sequence i's tokens go to row slots[i] at index position - shifts[i]."""
+        device = step.positions.device
+        num_new = torch.tensor(step.query_lens, device=device)
+        slot_t = torch.tensor(slots, device=device)
+        shift_t = torch.tensor(shifts, device=device).repeat_interleave(num_new)              # (T,)
+        self._write_index = slot_t.repeat_interleave(num_new) * self.capacity + step.positions - shift_t   # (T,)
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        self._rows = slice(slots[0], slots[0] + len(slots)) if consecutive else slot_t
+
+    def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v (T, H_kv, D) -> rows of the flattened (slots * capacity, H_kv, D) buffer; flatten, not
+        # view(-1, ...): MLA's V has zero width, and -1 cannot be inferred from zero elements
+        self.k[layer].flatten(0, 1).index_copy_(0, self._write_index, k)
+        self.v[layer].flatten(0, 1).index_copy_(0, self._write_index, v)
+
+    def view(self, layer: int, step: StepInputs) -> PaddedKV:
+        return PaddedKV(self.k[layer][self._rows], self.v[layer][self._rows])   # (B, capacity, H_kv, D)
+
+
+class SlotKVCache(RowBuffers, KVCache):
     stats_keys = ("kv_slots", "kv_capacity_tokens", "kv_peak_reserved_bytes", "max_seqs_admitted",
                   "kv_frag_slots_per_seq_mean")
 
@@ -91,21 +120,7 @@ class SlotKVCache(KVCache):
         super().prepare(step)
         self._frag_slots_per_seq.append(self.capacity - sum(step.context_lens) / len(step.context_lens))
         slots = [self.slot_of[s.seq_id] for s in step.seqs]
-        device = self.spec.device
-        slots_t = torch.tensor(slots, device=device)
-        per_token_slot = slots_t.repeat_interleave(torch.tensor(step.query_lens, device=device))   # (T,)
-        self._write_index = per_token_slot * self.capacity + step.positions                        # (T,)
-        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-        self._rows = slice(slots[0], slots[0] + len(slots)) if consecutive else slots_t
-
-    def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v (T, H_kv, D) -> rows of the flattened (slots * capacity, H_kv, D) buffer; flatten, not
-        # view(-1, ...): MLA's V has zero width, and -1 cannot be inferred from zero elements
-        self.k[layer].flatten(0, 1).index_copy_(0, self._write_index, k)
-        self.v[layer].flatten(0, 1).index_copy_(0, self._write_index, v)
-
-    def view(self, layer: int, step: StepInputs) -> PaddedKV:
-        return PaddedKV(self.k[layer][self._rows], self.v[layer][self._rows])   # (B, capacity, H_kv, D)
+        self.plan_rows(slots, step, [0] * len(slots))
 
     def stats(self) -> dict[str, float]:
         return {"kv_slots": self.num_slots, "kv_capacity_tokens": self.capacity,

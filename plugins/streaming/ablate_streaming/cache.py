@@ -47,10 +47,10 @@ import torch
 from ablate.batch import StepInputs
 from ablate.build import BuildContext
 from ablate.interfaces import KVCache
-from ablate.kv_view import PaddedKV
 from ablate.plugin import QualityBound
 from ablate.request import Sequence
 from ablate_kv_cache.budget import BudgetConfig, budget_bytes
+from ablate_kv_cache.slot_cache import RowBuffers
 
 
 @dataclass
@@ -80,7 +80,7 @@ class Row:
     length: int = 0           # positions accounted for: the sequence's next token has position `length`
 
 
-class StreamingKVCache(KVCache):
+class StreamingKVCache(RowBuffers, KVCache):
     name = "streaming"
     config_class = StreamingConfig
     exact = False                      # evicted tokens are no longer attended to
@@ -215,22 +215,7 @@ class StreamingKVCache(KVCache):
         step.context_lens = keys
         step.context_lens_t = torch.tensor(keys, dtype=torch.int32, device=device)
         super().prepare(step)                    # bytes_used() counts the tokens held
-        slots = [self.rows[s.seq_id].slot for s in step.seqs]
-        num_new_t = torch.tensor(step.query_lens, device=device)
-        slot_t = torch.tensor(slots, device=device).repeat_interleave(num_new_t)      # (T,)
-        shift_t = torch.tensor(shifts, device=device).repeat_interleave(num_new_t)    # (T,)
-        self._write_index = slot_t * self.capacity + step.positions - shift_t        # (T,) into slots x capacity
-        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-        self._rows = slice(slots[0], slots[0] + len(slots)) if consecutive else torch.tensor(slots, device=device)
-
-    def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v (T, H_kv, D) -> rows of the flattened (slots * capacity, H_kv, D) buffer (flatten, not
-        # view(-1, ...): MLA's V has zero width)
-        self.k[layer].flatten(0, 1).index_copy_(0, self._write_index, k)
-        self.v[layer].flatten(0, 1).index_copy_(0, self._write_index, v)
-
-    def view(self, layer: int, step: StepInputs) -> PaddedKV:
-        return PaddedKV(self.k[layer][self._rows], self.v[layer][self._rows])   # (B, capacity, H_kv, D)
+        self.plan_rows([self.rows[s.seq_id].slot for s in step.seqs], step, shifts)
 
     def stats(self) -> dict[str, float]:
         return {"kv_capacity_tokens": self.capacity, "kv_peak_reserved_bytes": self.peak_reserved,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ablate.registry import default_registry, register_configs
+from ablate.engine.registry import default_registry, register_configs
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"   # the repository's conf/
 
@@ -28,14 +28,14 @@ def main() -> None:
         list_plugins()
         return
     if sys.argv[1:2] == ["compare"]:
-        from ablate.compare import main as compare
+        from ablate.report.compare import main as compare
         compare(sys.argv[2:])
         return
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from ablate.job import run_job
+    from ablate.experiment.job import run_job
 
     registry = default_registry()
     register_configs(registry)

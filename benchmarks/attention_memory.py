@@ -9,10 +9,10 @@ the `none` cache: q (n, H, D) and this step's K/V packed, causal):
   alternating per round); each call gets fresh step inputs, so naive's (n, n) mask is built
   inside the call it is charged to;
 - peak memory the call adds: torch.cuda.max_memory_allocated on a GPU, the tensor tracker of
-  ablate.memory on the CPU (storages allocated by ops inside the call, live at once); measured on a
+  ablate.measure.memory on the CPU (storages allocated by ops inside the call, live at once); measured on a
   separate call from the timed ones (the tracker slows ops down);
 - growth: peak(n) / peak(n / 2) for consecutive doublings;
-- predicted bytes moved between memory levels (ablate.attention_io): materialised for naive (and
+- predicted bytes moved between memory levels (ablate.analysis.attention_io): materialised for naive (and
   SDPA's math backend), tiled for SDPA's fused backends and the Triton kernels; which one applies
   comes from the backend the call recorded. On a CPU without Triton, attention=flash runs SDPA and
   says so in `backend`.
@@ -29,18 +29,18 @@ import statistics
 import pandas as pd
 import torch
 
-from ablate import device as dev
-from ablate.attention_io import AttentionShape, materialised_bytes, sdpa_bytes, tiled_bytes, triton_flash_block_m
-from ablate.batch import StepInputs
-from ablate.build import BuildContext, EngineConfig, KVSpec
-from ablate.kv_view import PackedKV
-from ablate.memory import peak_memory_of
+from ablate.measure import device as dev
+from ablate.analysis.attention_io import AttentionShape, materialised_bytes, sdpa_bytes, tiled_bytes, triton_flash_block_m
+from ablate.api.step import StepInputs
+from ablate.api.context import BuildContext, EngineConfig, KVSpec
+from ablate.api.kv import PackedKV
+from ablate.measure.memory import peak_memory_of
 from ablate.model.config import DTYPES
-from ablate.plugin import Slot
-from ablate.registry import default_registry
-from ablate.request import Request, Sequence
-from ablate.table_run import open_run_folder, store_tables
-from ablate.wandb_log import WandbConfig
+from ablate.api.plugin import Slot
+from ablate.engine.registry import default_registry
+from ablate.api.sequence import Request, Sequence
+from ablate.report.table_run import open_run_folder, store_tables
+from ablate.report.wandb_log import WandbConfig
 from ablate_attention.sdpa import sdpa_backend
 
 

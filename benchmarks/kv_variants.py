@@ -15,7 +15,7 @@ heads, `mla:rank=R,rope_frequencies=F` factorises K/V by SVD; ablate_variants):
 - decode throughput at long context: `--decode-batch` sequences of `--context` prompt tokens,
   `--decode-tokens` new tokens each, contiguous cache, attention=sdpa; tokens emitted by pure
   decode steps / their time;
-- perplexity on the shipped held-out text (ablate.text_data, ablate.quality.perplexity), for a
+- perplexity on the shipped held-out text (ablate.workload.text, ablate.measure.quality.perplexity), for a
   pretrained model: the quality each KV saving costs, without any fine-tuning. MLA's SVD is
   activation-aware (`--calibration-tokens` of the corpus's prompt part; 0: plain SVD of the
   weights, which at useful ranks costs orders of magnitude of perplexity).
@@ -36,19 +36,19 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from ablate import device as dev
-from ablate.analytic import kv_bytes_per_token
-from ablate.arm import baseline_configs, build_arm, resolve_arm
-from ablate.build import BuildContext, EngineConfig, KVSpec
+from ablate.measure import device as dev
+from ablate.analysis.analytic import kv_bytes_per_token
+from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
+from ablate.api.context import BuildContext, EngineConfig, KVSpec
 from ablate.checkpoints.loader import load_model
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
-from ablate.plugin import Slot
-from ablate.recorder import Recorder
-from ablate.registry import Registry, default_registry
-from ablate.request import Request, Sequence
-from ablate.table_run import open_run_folder, store_tables
-from ablate.wandb_log import WandbConfig
+from ablate.api.plugin import Slot
+from ablate.measure.recorder import Recorder
+from ablate.engine.registry import Registry, default_registry
+from ablate.api.sequence import Request, Sequence
+from ablate.report.table_run import open_run_folder, store_tables
+from ablate.report.wandb_log import WandbConfig
 
 SMOLLM2_VARIANTS = ["gqa:kv_heads=9", "none", "gqa:kv_heads=1",
                     "mla:rank=0,rope_frequencies=16", "mla:rank=192,rope_frequencies=16",
@@ -126,7 +126,7 @@ def decode_throughput(model: LlamaModel, spec: str, registry: Registry, context:
 
 
 def heldout_perplexity(model: LlamaModel, tokens: list[int], window: int) -> float:
-    from ablate.quality import perplexity
+    from ablate.measure.quality import perplexity
     return perplexity(model, tokens, window=window, stride=window // 2)
 
 
@@ -166,7 +166,7 @@ def smollm2_with_tokens(args, device) -> tuple[LlamaModel, list[int]]:
     if not args.ppl_tokens or args.init != "pretrained":
         return model, []
     from ablate.checkpoints.loader import load_tokenizer
-    from ablate.text_data import heldout_tokens
+    from ablate.workload.text import heldout_tokens
     return model, heldout_tokens(load_tokenizer(model.config), args.ppl_tokens)
 
 

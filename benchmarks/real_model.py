@@ -4,7 +4,7 @@ held-out text with this engine and with transformers side by side.
     python benchmarks/real_model.py --out results/real_model.json [--tokens 2048 --window 512 --stride 256]
 
 Perplexity = exp(mean NLL of every held-out token but the first, each predicted once) with the
-sliding windows of `ablate.quality.token_nlls` (transformers: the same windows, labels -100 outside
+sliding windows of `ablate.measure.quality.token_nlls` (transformers: the same windows, labels -100 outside
 each window's new tokens). transformers loads the GGUF itself (`gguf_file=`, needs `accelerate`);
 without accelerate it runs transformers' LlamaForCausalLM on this engine's dequantised tensors,
 and the JSON says so.
@@ -29,8 +29,8 @@ from ablate.checkpoints import load_model, load_tokenizer  # noqa: E402
 from ablate.checkpoints.loader import checkpoint_path, with_checkpoint_fields  # noqa: E402
 from ablate.model.config import preset  # noqa: E402
 from ablate.model.llama import LlamaModel  # noqa: E402
-from ablate.quality import perplexity  # noqa: E402
-from ablate.text_data import heldout_tokens  # noqa: E402
+from ablate.measure.quality import perplexity  # noqa: E402
+from ablate.workload.text import heldout_tokens  # noqa: E402
 
 
 def timed(fn, *args, **kwargs):

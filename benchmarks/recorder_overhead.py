@@ -17,17 +17,17 @@ import numpy as np
 
 import time
 
-from ablate.analytic import CostModel
-from ablate.arm import baseline_configs, build_arm, resolve_arm
-from ablate.build import EngineConfig
-from ablate.experiment import run_once
+from ablate.analysis.analytic import CostModel
+from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
+from ablate.api.context import EngineConfig
+from ablate.experiment.run import run_once
 from ablate.checkpoints.loader import load_model
 from ablate.model.config import preset
-from ablate.registry import default_registry
-from ablate.stats import ratio_summary
-from ablate.recorder import Recorder, StepHook
-from ablate.workload import WorkloadConfig, make_requests
-from ablate import device as dev
+from ablate.engine.registry import default_registry
+from ablate.analysis.stats import ratio_summary
+from ablate.measure.recorder import Recorder, StepHook
+from ablate.workload.requests import WorkloadConfig, make_requests
+from ablate.measure import device as dev
 
 
 class TimedHooks(StepHook):

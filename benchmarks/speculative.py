@@ -33,14 +33,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ablate import device as dev
-from ablate.arm import Arm, baseline_configs, resolve_arm
-from ablate.build import EngineConfig
-from ablate.experiment import run_once
+from ablate.measure import device as dev
+from ablate.engine.arm import Arm, baseline_configs, resolve_arm
+from ablate.api.context import EngineConfig
+from ablate.experiment.run import run_once
 from ablate.checkpoints.loader import load_model
 from ablate.model.config import preset
-from ablate.registry import Registry, default_registry
-from ablate.request import Request
+from ablate.engine.registry import Registry, default_registry
+from ablate.api.sequence import Request
 from ablate.results import environment
 from ablate_decoding.spec_stats import expected_tokens_per_pass
 
@@ -99,7 +99,7 @@ def make_arms(args: argparse.Namespace, registry: Registry) -> list[Arm]:
 
 def make_requests(args: argparse.Namespace, model) -> list[Request]:
     from ablate.checkpoints.loader import load_tokenizer
-    from ablate.text_data import text_prompts
+    from ablate.workload.text import text_prompts
 
     tokenizer = load_tokenizer(model.config)
     prompts = text_prompts(tokenizer, args.num_prompts, args.prompt_len, seed=args.seed, kind=args.prompt_kind)

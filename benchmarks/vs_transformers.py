@@ -18,16 +18,16 @@ import time
 import numpy as np
 import torch
 
-from ablate import hardware
-from ablate.arm import baseline_configs, resolve_arm
-from ablate.build import EngineConfig
+from ablate.measure import hardware
+from ablate.engine.arm import baseline_configs, resolve_arm
+from ablate.api.context import EngineConfig
 from ablate.checkpoints.loader import checkpoint_path, load_model, load_tokenizer
-from ablate.experiment import run_once
+from ablate.experiment.run import run_once
 from ablate.model.config import preset
-from ablate.registry import default_registry
-from ablate.request import Request
-from ablate.stats import ratio_summary
-from ablate.text_data import text_prompts
+from ablate.engine.registry import default_registry
+from ablate.api.sequence import Request
+from ablate.analysis.stats import ratio_summary
+from ablate.workload.text import text_prompts
 
 
 def load_transformers(path, dtype: torch.dtype):

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from ablate.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
-from ablate.build import EngineConfig
+from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
+from ablate.api.context import EngineConfig
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
-from ablate.recorder import Recorder
-from ablate.registry import Registry, default_registry
-from ablate.request import Request, SamplingParams
+from ablate.measure.recorder import Recorder
+from ablate.engine.registry import Registry, default_registry
+from ablate.api.sequence import Request, SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -116,7 +116,7 @@ def compose_config(registry):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from ablate.registry import register_configs
+    from ablate.engine.registry import register_configs
 
     register_configs(registry)
 

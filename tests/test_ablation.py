@@ -7,14 +7,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ablate import job
-from ablate.ablation import (ARMS_TABLE, OverrideConflict, arm_spec, arm_table, contributions, interacts,
+from ablate.experiment import job
+from ablate.experiment.ablation import (ARMS_TABLE, OverrideConflict, arm_spec, arm_table, contributions, interacts,
                              parse_ablation, plan, plan_arms)
-from ablate.ablation_report import section
-from ablate.arm import baseline_configs
-from ablate.experiment import ExperimentConfig
-from ablate.job import run_job
-from ablate.plugin import Slot
+from ablate.report.ablation import section
+from ablate.engine.arm import baseline_configs
+from ablate.experiment.run import ExperimentConfig
+from ablate.experiment.job import run_job
+from ablate.api.plugin import Slot
 
 TECHNIQUES = {
     "kv_cache": {"overrides": {"kv_cache": "contiguous"}},

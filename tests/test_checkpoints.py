@@ -19,7 +19,7 @@ from ablate.checkpoints import load_model
 from ablate.checkpoints import loader as loader_mod
 from ablate.checkpoints.gguf import read_gguf
 from ablate.model.config import ModelConfig, preset
-from ablate.quality import sequence_logits
+from ablate.measure.quality import sequence_logits
 
 transformers = pytest.importorskip("transformers")
 

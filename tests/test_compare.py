@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ablate.compare import compare, differences, main, ratio_ci
+from ablate.report.compare import compare, differences, main, ratio_ci
 from ablate.results import RunFolder
 
 ENV = {"device": "cpu", "git_commit": "aaaa", "python": "3.11.7", "versions": {"torch": "2.13.0"}}

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ablate.plugin import Requirement, Slot
-from ablate.registry import default_registry
+from ablate.api.plugin import Requirement, Slot
+from ablate.engine.registry import default_registry
 from ablate.testing.conformance import check_requirements_enforced
 
 PLUGINS = sorted((slot.value, name) for slot, name in default_registry().plugins)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from ablate.costs import DEVICES, CostsConfig, cost_tables, kv_bytes_per_token, model_costs
+from ablate.analysis.costs import DEVICES, CostsConfig, cost_tables, kv_bytes_per_token, model_costs
 from ablate.model.config import preset
 
 
@@ -34,7 +34,7 @@ def test_tables_follow_the_formulas():
 
 
 def test_costs_experiment_runs_through_the_cli_job(compose_config, registry, tmp_path):
-    from ablate.job import run_job
+    from ablate.experiment.job import run_job
     from ablate.results import load
     raw = compose_config(tmp_path, "+experiment=ch07_costs", "costs.devices=[a100-80gb,this-machine]",
                          "costs.context_lens=[1024]")
@@ -50,8 +50,8 @@ def test_costs_experiment_runs_through_the_cli_job(compose_config, registry, tmp
 
 
 def test_chapter_12_and_13_experiments_compose(compose_config, registry, tmp_path):
-    from ablate.config import to_run_config
-    from ablate.job import make_arms
+    from ablate.experiment.config import to_run_config
+    from ablate.experiment.job import make_arms
     for name, arms in (("ch12_flash", ["naive", "sdpa", "flash"]),
                        ("ch13_gqa_mla", ["mha", "gqa3", "mqa", "mla_r128", "mla_r64"])):
         cfg, plugins = to_run_config(compose_config(tmp_path, f"+experiment={name}"), registry)

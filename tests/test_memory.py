@@ -1,9 +1,9 @@
-"""ablate.memory: the CPU tensor tracker sees what a block allocates, and attention's n x n scores."""
+"""ablate.measure.memory: the CPU tensor tracker sees what a block allocates, and attention's n x n scores."""
 from __future__ import annotations
 
 import torch
 
-from ablate.memory import TensorMemoryTracker, peak_memory_of
+from ablate.measure.memory import TensorMemoryTracker, peak_memory_of
 
 
 def test_tracker_sees_a_known_allocation_and_its_free():

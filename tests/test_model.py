@@ -9,12 +9,12 @@ import torch.nn.functional as F
 
 from ablate.baselines.naive_attention import NaiveAttention, NaiveAttentionConfig
 from ablate.baselines.no_cache import NoKVCache, NoKVCacheConfig
-from ablate.batch import Batch, StepInputs
-from ablate.config import build as build_dataclass
-from ablate.kv_view import PackedKV, PaddedKV
+from ablate.api.step import Batch, StepInputs
+from ablate.experiment.config import build as build_dataclass
+from ablate.api.kv import PackedKV, PaddedKV
 from ablate.model.config import PRESETS, ModelConfig, preset
 from ablate.model.llama import Forward, LlamaModel
-from ablate.request import Request, Sequence
+from ablate.api.sequence import Request, Sequence
 
 
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import ablate.job
-import ablate.registry as registry_mod
-from ablate.arm import baseline_configs, resolve_arm
+import ablate.experiment.job
+import ablate.engine.registry as registry_mod
+from ablate.engine.arm import baseline_configs, resolve_arm
 from ablate.baselines import NaiveAttention
 from ablate.model.llama import LlamaModel
-from ablate.plugin import IncompatiblePlugins, PluginConfig, Requirement, Slot, check_compatible
-from ablate.registry import GROUP, PluginInfo, Registry, UnknownPlugin, discover
+from ablate.api.plugin import IncompatiblePlugins, PluginConfig, Requirement, Slot, check_compatible
+from ablate.engine.registry import GROUP, PluginInfo, Registry, UnknownPlugin, discover
 from ablate_kv_cache.contiguous import ContiguousKVCache
 from ablate_kv_cache.dynamic import DynamicKVCache
 
@@ -125,10 +125,10 @@ def test_incompatible_combination_is_refused_before_any_model_loads(registry, co
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded for an incompatible combination")
 
-    monkeypatch.setattr(ablate.job, "load_model", no_model)
+    monkeypatch.setattr(ablate.experiment.job, "load_model", no_model)
     monkeypatch.setattr(LlamaModel, "random", no_model)
     with pytest.raises(IncompatiblePlugins, match=r"attention=paged-only cannot run with kv_cache=contiguous"):
-        ablate.job.run_job(raw, reg, swallow_errors=True)      # refused even in a sweep
+        ablate.experiment.job.run_job(raw, reg, swallow_errors=True)      # refused even in a sweep
     assert not (tmp_path / "results").exists()                 # not even a results folder
     # and in an experiment's arms
     with pytest.raises(IncompatiblePlugins, match="attention=paged-only"):
@@ -176,7 +176,7 @@ def test_broken_plugin_is_a_warning_naming_it_not_a_crash(monkeypatch):
         reg = discover_with(monkeypatch, *broken)
     messages = "\n".join(str(w.message) for w in warned)
     assert "'kv_cache.broken'" in messages and "ModuleNotFoundError" in messages
-    assert "'attention.not-a-plugin'" in messages and "not a subclass of ablate.plugin.Plugin" in messages
+    assert "'attention.not-a-plugin'" in messages and "not a subclass of ablate.api.plugin.Plugin" in messages
     assert "'kv_cache.misnamed'" in messages and "expected 'misnamed'" in messages
     # the others load as usual
     for slot, name in BUILT_INS:

@@ -12,8 +12,8 @@ from ablate.checkpoints import load_model, load_tokenizer
 from ablate.checkpoints import gguf as gguf_ckpt
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
-from ablate.quality import perplexity, sequence_logits, token_nlls
-from ablate.text_data import heldout_tokens
+from ablate.measure.quality import perplexity, sequence_logits, token_nlls
+from ablate.workload.text import heldout_tokens
 
 
 

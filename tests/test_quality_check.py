@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from ablate.baselines.no_cache import NoKVCache
-from ablate.batch import StepInputs
-from ablate.plugin import PluginConfig, QualityBound, Slot
-from ablate.quality import perplexity, runner_perplexity
-from ablate.registry import PluginInfo, Registry
+from ablate.api.step import StepInputs
+from ablate.api.plugin import PluginConfig, QualityBound, Slot
+from ablate.measure.quality import perplexity, runner_perplexity
+from ablate.engine.registry import PluginInfo, Registry
 from ablate.testing.conformance import arm_perplexity, check_quality, sampled_text
 
 
@@ -53,9 +53,9 @@ def test_runner_perplexity_of_the_baseline_is_the_models(ablate_tiny_model, regi
 
 
 def test_runner_perplexity_scores_only_after_the_prefill(ablate_tiny_model, registry):
-    from ablate.arm import baseline_configs, build_arm, resolve_arm
-    from ablate.build import EngineConfig
-    from ablate.quality import token_nlls
+    from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
+    from ablate.api.context import EngineConfig
+    from ablate.measure.quality import token_nlls
 
     ids = sampled_text(registry, ablate_tiny_model, 30)
     built = build_arm(resolve_arm("b", {}, baseline_configs(registry), registry), ablate_tiny_model,

@@ -1,5 +1,5 @@
 """The report: which figures are drawn for which results, their axes, legends and CIs, the Markdown
-page, `python -m ablate.report`, and a job's figures logged to W&B as images."""
+page, `python -m ablate.report.page`, and a job's figures logged to W&B as images."""
 from __future__ import annotations
 
 import json
@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 from matplotlib.container import ErrorbarContainer
 
-from ablate import plots
-from ablate.plots import Layout, draw, with_run_columns
-from ablate.report import main as report_main
-from ablate.report import markdown, write_report
+from ablate.report import plots
+from ablate.report.plots import Layout, draw, with_run_columns
+from ablate.report.page import main as report_main
+from ablate.report.page import markdown, write_report
 from ablate.results import RunFolder
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -169,7 +169,7 @@ def test_write_report_returns_the_figures_it_references(tmp_path):
 
 @pytest.mark.slow   # a whole job over a grid of two points, logged to W&B offline
 def test_a_job_writes_its_figures_and_logs_each_to_wandb(compose_config, registry, tmp_path):
-    from ablate.job import run_job
+    from ablate.experiment.job import run_job
 
     raw = compose_config(tmp_path, "kv_cache=contiguous", "wandb.mode=offline", "experiment.repeats=2",
                          "experiment.warmup=0", "workload.num_requests=2", "workload.prompt_len=8",

@@ -11,8 +11,8 @@ import matplotlib
 import pandas as pd
 import pytest
 
-from ablate.job import run_job
-from ablate.wandb_log import WandbConfig, log_run
+from ablate.experiment.job import run_job
+from ablate.report.wandb_log import WandbConfig, log_run
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ablate.config import build
-from ablate.workload import LENGTH_DISTS, WorkloadConfig, make_requests
+from ablate.experiment.config import build
+from ablate.workload.requests import LENGTH_DISTS, WorkloadConfig, make_requests
 
 
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ablate.batch import Batch
-from ablate.build import BuildContext
-from ablate.interfaces import Decoding
-from ablate.plugin import PluginConfig
-from ablate.runner import ModelRunner
-from ablate.sampling import Sampler
+from ablate.api.step import Batch
+from ablate.api.context import BuildContext
+from ablate.api.slots import Decoding
+from ablate.api.plugin import PluginConfig
+from ablate.engine.runner import ModelRunner
+from ablate.api.sampling import Sampler
 
 
 @dataclass

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ablate.batch import StepInputs
-from ablate.interfaces import Attention
-from ablate.kv_view import KVView
-from ablate.plugin import PluginConfig
+from ablate.api.step import StepInputs
+from ablate.api.slots import Attention
+from ablate.api.kv import KVView
+from ablate.api.plugin import PluginConfig
 
 
 @dataclass

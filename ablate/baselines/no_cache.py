@@ -5,11 +5,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ablate.batch import StepInputs
-from ablate.interfaces import KVCache
-from ablate.kv_view import PackedKV
-from ablate.plugin import PluginConfig
-from ablate.request import Sequence
+from ablate.api.step import StepInputs
+from ablate.api.slots import KVCache
+from ablate.api.kv import PackedKV
+from ablate.api.plugin import PluginConfig
+from ablate.api.sequence import Sequence
 
 
 @dataclass

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ablate.interfaces import ModelVariant
+from ablate.api.slots import ModelVariant
 from ablate.model.llama import LlamaModel
-from ablate.plugin import PluginConfig
+from ablate.api.plugin import PluginConfig
 
 
 @dataclass

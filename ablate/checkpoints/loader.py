@@ -14,7 +14,7 @@ from ablate.checkpoints import gguf as gguf_ckpt
 from ablate.checkpoints import hf as hf_ckpt
 from ablate.model.config import ModelConfig
 from ablate.model.llama import LlamaModel
-from ablate.tokenizer import Tokenizer
+from ablate.checkpoints.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

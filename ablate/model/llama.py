@@ -18,8 +18,8 @@ from ablate.model.config import ModelConfig
 from ablate.model.linear import Linear
 
 if TYPE_CHECKING:
-    from ablate.batch import StepInputs
-    from ablate.interfaces import Attention, KVCache
+    from ablate.api.step import StepInputs
+    from ablate.api.slots import Attention, KVCache
 
 
 @dataclass

@@ -46,13 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ablate.kv_view import KVView, PackedKV, PagedKV, PaddedKV
+from ablate.api.kv import KVView, PackedKV, PagedKV, PaddedKV
 from ablate.model.config import ModelConfig
 from ablate.model.linear import Linear
 from ablate.model.llama import apply_rope
 
 if TYPE_CHECKING:
-    from ablate.batch import StepInputs
+    from ablate.api.step import StepInputs
     from ablate.model.llama import Forward, LlamaModel
 
 

@@ -15,14 +15,14 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ablate.arm import BASELINE, BuiltArm, baseline_configs, build_arm, resolve_arm
-from ablate.build import EngineConfig
+from ablate.engine.arm import BASELINE, BuiltArm, baseline_configs, build_arm, resolve_arm
+from ablate.api.context import EngineConfig
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
-from ablate.plugin import IncompatiblePlugins, Plugin, Slot, check_compatible
-from ablate.quality import runner_perplexity
-from ablate.registry import Registry, default_registry
-from ablate.request import Request, SamplingParams, Sequence
+from ablate.api.plugin import IncompatiblePlugins, Plugin, Slot, check_compatible
+from ablate.measure.quality import runner_perplexity
+from ablate.engine.registry import Registry, default_registry
+from ablate.api.sequence import Request, SamplingParams, Sequence
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -64,7 +64,7 @@ def check_config_roundtrip(registry: Registry, slot: Slot, name: str) -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from ablate.registry import register_configs
+    from ablate.engine.registry import register_configs
 
     cls = registry.get(slot, name)
     default = cls.config_class()
@@ -154,7 +154,7 @@ def check_quality(registry: Registry, slot: Slot, name: str, model: LlamaModel,
     bound = cls.quality
     assert bound is not None, (
         f"{slot.value}={name} declares exact = False but no quality bound: set `quality = QualityBound("
-        f"max_ratio=..., num_tokens=..., config={{...}})` (ablate.plugin) on {cls.__name__}, the largest "
+        f"max_ratio=..., num_tokens=..., config={{...}})` (ablate.api.plugin) on {cls.__name__}, the largest "
         "perplexity ratio to the baseline it may cost, so that the kit can check it")
     assert slot in RUNNER_SLOTS, (
         f"{slot.value}={name} is not exact, but the kit scores quality by teacher forcing through the "

@@ -17,7 +17,7 @@ def pytest_configure(config) -> None:
 
 @pytest.fixture(scope="session")
 def ablate_registry():
-    from ablate.registry import default_registry
+    from ablate.engine.registry import default_registry
     return default_registry()
 
 
@@ -30,8 +30,8 @@ def ablate_tiny_model():
 
 @pytest.fixture
 def ablate_baseline_engine(ablate_registry, ablate_tiny_model):
-    from ablate.arm import baseline_configs, build_arm, resolve_arm
-    from ablate.build import EngineConfig
+    from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
+    from ablate.api.context import EngineConfig
     arm = resolve_arm("baseline", {}, baseline_configs(ablate_registry), ablate_registry)
     built = build_arm(arm, ablate_tiny_model, EngineConfig(), ablate_tiny_model.config.max_seq_len, ablate_registry)
     yield built.engine

@@ -1,6 +1,6 @@
 """What StreamingLLM's window costs in perplexity: held-out text scored through each arm's engine.
 
-Teacher forcing (ablate.quality.runner_perplexity): the text goes in one token per step, as
+Teacher forcing (ablate.measure.quality.runner_perplexity): the text goes in one token per step, as
 generation would feed it, so the cache evicts exactly as it would while generating. Arms: a
 dynamic cache that keeps every token (the reference), and kv_cache=streaming at each window, with
 and without attention sinks (the paper's point: a window that evicts its first tokens falls apart).
@@ -16,13 +16,13 @@ import time
 import pandas as pd
 import torch
 
-from ablate.arm import baseline_configs, build_arm, resolve_arm
-from ablate.build import EngineConfig
+from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
+from ablate.api.context import EngineConfig
 from ablate.checkpoints.loader import load_model, load_tokenizer
 from ablate.model.config import preset
-from ablate.quality import runner_perplexity
-from ablate.registry import default_registry
-from ablate.text_data import heldout_tokens
+from ablate.measure.quality import runner_perplexity
+from ablate.engine.registry import default_registry
+from ablate.workload.text import heldout_tokens
 
 
 def main() -> None:

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ablate.batch import StepInputs
-from ablate.build import BuildContext
-from ablate.interfaces import Attention
-from ablate.kv_view import KVView, PackedKV, PaddedKV
-from ablate.plugin import PluginConfig
+from ablate.api.step import StepInputs
+from ablate.api.context import BuildContext
+from ablate.api.slots import Attention
+from ablate.api.kv import KVView, PackedKV, PaddedKV
+from ablate.api.plugin import PluginConfig
 from ablate_attention.sdpa import SDPAAttention, SDPAConfig
 
 _WARNED: set[str] = set()     # fallback reasons already warned about in this process

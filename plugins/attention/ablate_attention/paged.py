@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from ablate.baselines.naive_attention import causal_mask, pad_queries, unpad_queries
-from ablate.batch import StepInputs
-from ablate.interfaces import Attention
-from ablate.kv_view import KVView, PagedKV
-from ablate.plugin import PluginConfig, Requirement, Slot
+from ablate.api.step import StepInputs
+from ablate.api.slots import Attention
+from ablate.api.kv import KVView, PagedKV
+from ablate.api.plugin import PluginConfig, Requirement, Slot
 
 BACKENDS = ("auto", "triton", "torch")
 _warned_devices: set[str] = set()   # warn once per device type per process, not once per arm

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from ablate.baselines.naive_attention import causal_mask, pad_queries, unpad_queries
-from ablate.batch import StepInputs
-from ablate.interfaces import Attention
-from ablate.kv_view import KVView
-from ablate.plugin import PluginConfig
+from ablate.api.step import StepInputs
+from ablate.api.slots import Attention
+from ablate.api.kv import KVView
+from ablate.api.plugin import PluginConfig
 
 
 @dataclass

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ablate.build import BuildContext, EngineConfig, KVSpec
-from ablate.kv_view import PackedKV
+from ablate.api.context import BuildContext, EngineConfig, KVSpec
+from ablate.api.kv import PackedKV
 from ablate_attention.flash import FlashAttention, FlashConfig, unsupported_shape
 
 CHECK = Path(__file__).with_name("flash_check.py")
@@ -68,8 +68,8 @@ def test_an_unsupported_head_dim_falls_back_per_call_and_is_recorded(monkeypatch
     plugin = FlashAttention(FlashConfig(), BuildContext(None, KVSpec(1, 2, 24, 24, torch.float32, torch.device("cpu"),
                                                                      1, 8), engine))
     monkeypatch.setattr(plugin, "no_triton_reason", None)      # as if Triton could run here
-    from ablate.batch import StepInputs
-    from ablate.request import Request, Sequence
+    from ablate.api.step import StepInputs
+    from ablate.api.sequence import Request, Sequence
     n = 5
     step = StepInputs(seqs=[Sequence(Request(0, (1,) * n, 1))], input_ids=torch.ones(n, dtype=torch.long),
                       positions=torch.arange(n), query_lens=[n], context_lens=[n], query_starts=[0, n],

@@ -13,12 +13,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import ablate_kernels  # noqa: E402
-from ablate.arm import baseline_configs, build_arm, resolve_arm  # noqa: E402
-from ablate.batch import StepInputs  # noqa: E402
-from ablate.build import EngineConfig  # noqa: E402
-from ablate.kv_view import PagedKV  # noqa: E402
-from ablate.plugin import Slot  # noqa: E402
-from ablate.request import Request, Sequence  # noqa: E402
+from ablate.engine.arm import baseline_configs, build_arm, resolve_arm  # noqa: E402
+from ablate.api.step import StepInputs  # noqa: E402
+from ablate.api.context import EngineConfig  # noqa: E402
+from ablate.api.kv import PagedKV  # noqa: E402
+from ablate.api.plugin import Slot  # noqa: E402
+from ablate.api.sequence import Request, Sequence  # noqa: E402
 from ablate_attention import paged as paged_attention  # noqa: E402
 
 
@@ -102,7 +102,7 @@ def test_the_backend_that_ran_is_recorded_and_a_fallback_is_said(ablate_registry
 
 
 def test_paged_attention_needs_a_paged_cache(ablate_registry):
-    from ablate.plugin import IncompatiblePlugins
+    from ablate.api.plugin import IncompatiblePlugins
 
     with pytest.raises(IncompatiblePlugins, match="attention=paged cannot run with kv_cache=contiguous"):
         resolve_arm("t", {"kv_cache": "contiguous", "attention": "paged"}, baseline_configs(ablate_registry),

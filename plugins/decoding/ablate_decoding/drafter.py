@@ -5,8 +5,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ablate.request import Sequence
-from ablate.runner import ModelRunner
+from ablate.api.sequence import Sequence
+from ablate.engine.runner import ModelRunner
 
 
 class Drafter(ABC):

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ablate.batch import Batch
-from ablate.interfaces import KVCache
+from ablate.api.step import Batch
+from ablate.api.slots import KVCache
 from ablate.model.llama import LlamaModel
-from ablate.request import Sequence, Status
-from ablate.runner import ModelRunner
-from ablate.sampling import Sampler, probabilities
+from ablate.api.sequence import Sequence, Status
+from ablate.engine.runner import ModelRunner
+from ablate.api.sampling import Sampler, probabilities
 from ablate_decoding.drafter import Drafter
 
 

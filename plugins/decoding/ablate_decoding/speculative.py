@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from ablate import device as dev
-from ablate.batch import Batch
-from ablate.build import BuildContext, KVSpec
-from ablate.interfaces import Decoding
-from ablate.plugin import PluginConfig
-from ablate.request import Sequence
-from ablate.runner import ModelRunner
-from ablate.sampling import Sampler, probabilities
+from ablate.measure import device as dev
+from ablate.api.step import Batch
+from ablate.api.context import BuildContext, KVSpec
+from ablate.api.slots import Decoding
+from ablate.api.plugin import PluginConfig
+from ablate.api.sequence import Sequence
+from ablate.engine.runner import ModelRunner
+from ablate.api.sampling import Sampler, probabilities
 from ablate_decoding.acceptance import accept_drafts, accept_greedy
 from ablate_decoding.draft_models import (early_exit_layers, layer_skip_layers, layer_subset,
                                           load_draft_model)

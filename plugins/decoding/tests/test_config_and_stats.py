@@ -6,7 +6,7 @@ import math
 import pytest
 
 from ablate.model.config import preset
-from ablate.plugin import Slot
+from ablate.api.plugin import Slot
 from ablate_decoding.acceptance import accept_greedy
 from ablate_decoding.draft_models import draft_model_config, layer_skip_layers, layer_subset
 from ablate_decoding.ngram import NgramDrafter, lookup
@@ -54,8 +54,8 @@ def test_composes_with_hydra(registry):
     from omegaconf import OmegaConf
 
     from ablate.cli import CONF_DIR
-    from ablate.config import to_run_config
-    from ablate.registry import register_configs
+    from ablate.experiment.config import to_run_config
+    from ablate.engine.registry import register_configs
 
     register_configs(registry)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

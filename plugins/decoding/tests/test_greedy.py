@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ablate.plugin import Slot
-from ablate.registry import default_registry
+from ablate.api.plugin import Slot
+from ablate.engine.registry import default_registry
 
 PROMPT_LENS = [3, 11, 17, 30]
 MAX_NEW = [9, 4, 13, 6]         # each sequence finishes at a different step; k is cut near the end

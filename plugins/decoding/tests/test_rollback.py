@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ablate.batch import Batch, StepInputs
-from ablate.build import BuildContext, EngineConfig
-from ablate.interfaces import KVCache
+from ablate.api.step import Batch, StepInputs
+from ablate.api.context import BuildContext, EngineConfig
+from ablate.api.slots import KVCache
 from ablate.model.llama import LlamaModel
-from ablate.plugin import Slot
-from ablate.registry import default_registry
-from ablate.request import Request, Sequence
-from ablate.runner import ModelRunner
+from ablate.api.plugin import Slot
+from ablate.engine.registry import default_registry
+from ablate.api.sequence import Request, Sequence
+from ablate.engine.runner import ModelRunner
 from ablate_decoding.drafter import Drafter
 
 PROMPT_LEN, MAX_NEW, K = 11, 12, 4

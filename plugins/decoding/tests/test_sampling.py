@@ -18,7 +18,7 @@ import torch
 import ablate_decoding.speculative as speculative_module
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
-from ablate.request import Request, SamplingParams
+from ablate.api.sequence import Request, SamplingParams
 from ablate_decoding.acceptance import Verdict
 
 VOCAB = 16                  # few categories: frequencies converge with a few thousand samples

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from ablate.plugin import PluginConfig
+from ablate.api.plugin import PluginConfig
 
 
 @dataclass

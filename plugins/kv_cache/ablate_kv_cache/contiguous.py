@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ablate.build import BuildContext
-from ablate.paging_model import predict
-from ablate.request import Sequence
+from ablate.api.context import BuildContext
+from ablate_kv_cache.paging_model import predict
+from ablate.api.sequence import Sequence
 from ablate_kv_cache.slot_cache import SlotCacheConfig, SlotKVCache
 
 

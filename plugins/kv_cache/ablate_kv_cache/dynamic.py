@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ablate.batch import StepInputs
-from ablate.request import Sequence
+from ablate.api.step import StepInputs
+from ablate.api.sequence import Sequence
 from ablate_kv_cache.slot_cache import SlotCacheConfig, SlotKVCache
 
 

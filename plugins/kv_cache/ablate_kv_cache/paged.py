@@ -7,7 +7,7 @@ cache admits while blocks remain, and when they run out the scheduler preempts.
 
 Writes go through one flat slot index per step, slot = block_table[p // bs] * bs + p % bs (nano-vllm's
 slot mapping), so a step mixing prefill chunks and decode tokens is one index_copy_ per layer.
-Attention reads the pool through the batch's block tables (ablate.kv_view.PagedKV).
+Attention reads the pool through the batch's block tables (ablate.api.kv.PagedKV).
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ablate.batch import StepInputs
-from ablate.build import BuildContext
-from ablate.interfaces import KVCache
-from ablate.kv_view import PagedKV
-from ablate.paging_model import predict
-from ablate.request import Sequence
+from ablate.api.step import StepInputs
+from ablate.api.context import BuildContext
+from ablate.api.slots import KVCache
+from ablate.api.kv import PagedKV
+from ablate_kv_cache.paging_model import predict
+from ablate.api.sequence import Sequence
 from ablate_kv_cache.block_manager import BlockManager
 from ablate_kv_cache.budget import BudgetConfig, budget_bytes
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ablate.batch import StepInputs
-from ablate.build import BuildContext
-from ablate.interfaces import KVCache
-from ablate.kv_view import PaddedKV
-from ablate.request import Sequence
+from ablate.api.step import StepInputs
+from ablate.api.context import BuildContext
+from ablate.api.slots import KVCache
+from ablate.api.kv import PaddedKV
+from ablate.api.sequence import Sequence
 from ablate_kv_cache.budget import BudgetConfig, budget_bytes
 
 

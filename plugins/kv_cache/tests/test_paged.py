@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from ablate.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
-from ablate.build import EngineConfig
-from ablate.recorder import Recorder
-from ablate.request import Request, Sequence
+from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
+from ablate.api.context import EngineConfig
+from ablate.measure.recorder import Recorder
+from ablate.api.sequence import Request, Sequence
 
 
 PROMPT_LENS = [3, 11, 17, 30]

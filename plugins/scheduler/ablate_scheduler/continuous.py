@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ablate.batch import Batch
-from ablate.build import BuildContext
-from ablate.interfaces import Scheduler
-from ablate.plugin import PluginConfig
-from ablate.request import Sequence, Status
+from ablate.api.step import Batch
+from ablate.api.context import BuildContext
+from ablate.api.slots import Scheduler
+from ablate.api.plugin import PluginConfig
+from ablate.api.sequence import Sequence, Status
 
 
 @dataclass

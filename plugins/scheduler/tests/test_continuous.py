@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from ablate.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
-from ablate.build import EngineConfig
-from ablate.recorder import Recorder
-from ablate.request import Request, Sequence
-from ablate.workload import WorkloadConfig, textbook_requests
+from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
+from ablate.api.context import EngineConfig
+from ablate.measure.recorder import Recorder
+from ablate.api.sequence import Request, Sequence
+from ablate.workload.requests import WorkloadConfig, textbook_requests
 
 
 PROMPT_LENS = [3, 30, 11, 17, 6, 24]
@@ -156,7 +156,7 @@ def test_a_prompt_longer_than_a_step_needs_chunked_prefill(ablate_registry, abla
     (CHUNKED, "2 3 1 0"),
 ], ids=["static", "continuous", "continuous-chunked"])
 def test_textbook_case_finishes_in_the_expected_order(scheduler, order, ablate_registry, ablate_tiny_model):
-    from ablate.metrics import finish_order
+    from ablate.measure.metrics import finish_order
 
     # the textbook's 500, 450 and 100 tokens to go, scaled by 1/10; the 4th generates 10
     work = textbook_requests(WorkloadConfig(arrival="textbook", prompt_len=8, output_len=10), 256,

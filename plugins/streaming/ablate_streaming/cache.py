@@ -44,11 +44,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ablate.batch import StepInputs
-from ablate.build import BuildContext
-from ablate.interfaces import KVCache
-from ablate.plugin import QualityBound
-from ablate.request import Sequence
+from ablate.api.step import StepInputs
+from ablate.api.context import BuildContext
+from ablate.api.slots import KVCache
+from ablate.api.plugin import QualityBound
+from ablate.api.sequence import Sequence
 from ablate_kv_cache.budget import BudgetConfig, budget_bytes
 from ablate_kv_cache.slot_cache import RowBuffers
 

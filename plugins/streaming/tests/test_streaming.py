@@ -8,14 +8,14 @@ from typing import Any
 import pytest
 import torch
 
-from ablate.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
-from ablate.batch import Batch, StepInputs
-from ablate.build import BuildContext, EngineConfig, KVSpec
-from ablate.interfaces import KVCache
-from ablate.plugin import Slot
-from ablate.recorder import Recorder
-from ablate.request import Request, Sequence
-from ablate.runner import ModelRunner
+from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
+from ablate.api.step import Batch, StepInputs
+from ablate.api.context import BuildContext, EngineConfig, KVSpec
+from ablate.api.slots import KVCache
+from ablate.api.plugin import Slot
+from ablate.measure.recorder import Recorder
+from ablate.api.sequence import Request, Sequence
+from ablate.engine.runner import ModelRunner
 from ablate_streaming.cache import StreamingConfig, StreamingKVCache
 
 SINKS, WINDOW = 4, 16

@@ -21,11 +21,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ablate.build import BuildContext
-from ablate.interfaces import ModelVariant
+from ablate.api.context import BuildContext
+from ablate.api.slots import ModelVariant
 from ablate.model.config import ModelConfig
 from ablate.model.llama import LlamaModel, SelfAttention
-from ablate.plugin import PluginConfig, QualityBound
+from ablate.api.plugin import PluginConfig, QualityBound
 from ablate_variants.rebuild import with_new_attention
 
 

@@ -50,12 +50,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ablate.build import BuildContext
-from ablate.interfaces import ModelVariant
+from ablate.api.context import BuildContext
+from ablate.api.slots import ModelVariant
 from ablate.model.config import ModelConfig
 from ablate.model.llama import LlamaModel, RotaryEmbedding, SelfAttention, llama3_scaled_inv_freq
 from ablate.model.mla import MultiHeadLatentAttention
-from ablate.plugin import PluginConfig, QualityBound
+from ablate.api.plugin import PluginConfig, QualityBound
 from ablate_variants.calibration import attention_input_moments, calibration_token_ids
 from ablate_variants.rebuild import with_new_attention
 

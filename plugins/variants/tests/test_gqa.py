@@ -6,7 +6,7 @@ import torch
 
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
-from ablate.quality import sequence_logits
+from ablate.measure.quality import sequence_logits
 from ablate_variants.gqa import GQAConfig, mean_pool_heads, to_kv_heads
 
 TOKENS = list(range(3, 40, 2))
@@ -56,7 +56,7 @@ def test_conversion_leaves_the_loaded_model_alone(mha_model):
 
 
 def test_mqa_stores_a_third_of_smollm2_shape_kv():
-    from ablate.analytic import kv_bytes_per_token
+    from ablate.analysis.analytic import kv_bytes_per_token
     smol = preset("smollm2-135m")
     from dataclasses import replace
     assert kv_bytes_per_token(replace(smol, n_kv_heads=1)) * 3 == kv_bytes_per_token(smol)

@@ -6,17 +6,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ablate.analytic import kv_bytes_per_token
+from ablate.analysis.analytic import kv_bytes_per_token
 from ablate.baselines.naive_attention import NaiveAttention, NaiveAttentionConfig
-from ablate.batch import Batch
-from ablate.build import BuildContext, EngineConfig, KVSpec
+from ablate.api.step import Batch
+from ablate.api.context import BuildContext, EngineConfig, KVSpec
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
 from ablate.model.mla import MultiHeadLatentAttention, set_absorbed
-from ablate.plugin import Slot
-from ablate.quality import sequence_logits
-from ablate.request import Request, Sequence
-from ablate.runner import ModelRunner
+from ablate.api.plugin import Slot
+from ablate.measure.quality import sequence_logits
+from ablate.api.sequence import Request, Sequence
+from ablate.engine.runner import ModelRunner
 from ablate_variants.mla import MLAConfig, to_mla
 
 TOKENS = list(range(5, 60, 3))
@@ -143,7 +143,7 @@ def test_mla_preset_stores_at_most_a_quarter_of_mha_and_the_budget_admits_more(a
 @pytest.mark.parametrize("kv_cache", ["contiguous", "dynamic", "paged"])
 def test_mla_gives_the_same_tokens_through_every_cache(kv_cache, ablate_registry):
     """The cached rows [c, k^R] (zero-width V) through each cache's layout, absorbed at decode."""
-    from ablate.arm import baseline_configs, build_arm, resolve_arm
+    from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
     model = LlamaModel.random(preset("mla-tiny"))
     requests = [Request(i, p, 6) for i, p in enumerate(PROMPTS)]
     outputs = []

@@ -1,0 +1,59 @@
+"""What a step should cost: FLOPs and bytes moved, from the model shape and what the step feeds.
+
+Per step, for sequences b with q_b new queries and c_b keys after the step:
+  FLOPs = 2 N_lin T + 4 L H d_h sum_b [q_b (c_b - q_b) + q_b (q_b + 1) / 2] + 2 d V N_logits
+  bytes = weight bytes (every projection and the LM head, read once) + KV read + KV written
+with T = sum_b q_b, N_lin the projection parameters, KV read = sum_b (c_b - q_b) x bytes per token
+for a cache that keeps K/V (none without one), KV written = T x bytes per token.
+A step takes at least max(FLOPs / peak FLOP/s, bytes / peak bandwidth) (the roofline).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ablate.measure.hardware import Peaks
+from ablate.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class StepCost:
+    flops: float
+    bytes: float
+
+    def __add__(self, other: StepCost) -> StepCost:
+        return StepCost(self.flops + other.flops, self.bytes + other.bytes)
+
+    def seconds(self, peaks: Peaks) -> float:
+        return max(self.flops / peaks.flops, self.bytes / peaks.bandwidth_bytes_s)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int | None = None) -> int:
+    """2 x layers x kv_heads x head_dim x dtype bytes (MLA: layers x (latent + rope-key width) x dtype bytes)."""
+    width = dtype_bytes if dtype_bytes is not None else _dtype_bytes(cfg)
+    heads, k_width, v_width = cfg.kv_cache_widths
+    return cfg.n_layers * heads * (k_width + v_width) * width
+
+
+def _dtype_bytes(cfg: ModelConfig) -> int:
+    return {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.dtype]
+
+
+class CostModel:
+    def __init__(self, cfg: ModelConfig, keeps_kv: bool) -> None:
+        self.cfg = cfg
+        self.keeps_kv = keeps_kv
+        self.linear_params = cfg.num_params(include_embeddings=False) - cfg.n_layers * 2 * cfg.d_model - cfg.d_model
+        self.head_params = cfg.vocab_size * cfg.d_model
+        self.weight_bytes = (self.linear_params + self.head_params) * _dtype_bytes(cfg)
+        self.kv_token_bytes = kv_bytes_per_token(cfg)
+
+    def step(self, query_lens: list[int], context_lens: list[int], num_logits: int) -> StepCost:
+        cfg = self.cfg
+        tokens = sum(query_lens)
+        attended = sum(q * (c - q) + q * (q + 1) // 2 for q, c in zip(query_lens, context_lens))
+        flops = (2 * self.linear_params * tokens
+                 + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * attended
+                 + 2 * self.head_params * num_logits)
+        kv_read = sum(c - q for q, c in zip(query_lens, context_lens)) * self.kv_token_bytes if self.keeps_kv else 0
+        kv_written = tokens * self.kv_token_bytes if self.keeps_kv else 0
+        return StepCost(float(flops), float(self.weight_bytes + kv_read + kv_written))

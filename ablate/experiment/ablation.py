@@ -1,0 +1,384 @@
+"""An ablation: what each technique buys alone, and what the full system loses without it.
+
+The techniques are declared, not coded (conf/experiment/ablation.yaml, `experiment.ablation`):
+each has a name, the arm overrides that turn it on ({slot: plugin | {name, options}, model: {field:
+value}}, as an experiment's arms) and the techniques it requires (a paged cache is a KV cache:
+`paged` requires `kv_cache`). An arm is a set of techniques closed under `requires`; its spec is
+their overrides applied in order, requirements first, so a technique may replace what one it
+requires set (paged's kv_cache=paged over kv_cache=contiguous). The arms:
+
+  baseline   no technique: the core baselines (ablate.engine.arm.BASELINE)
+  full       every technique
+  +t         add-one-in: t with what it requires, over the baseline
+  -t         leave-one-out: the full system without t's unit, t and every technique that requires it
+             (removing the KV cache removes the paged cache too)
+  +a+b ...   reference arms the arithmetic below needs that none of the above is (and, with
+             `pairs: true`, every pair of techniques for the two-factor interactions)
+
+Roles that give the same set share one arm. A set that cannot run is kept in the plan, skipped with
+the reason: two techniques, neither requiring the other, that set one slot differently, or plugins
+that refuse each other (ablate.api.plugin.check_compatible).
+
+Contributions, per metric m and round r (every arm runs once per round, interleaved, so arms of one
+round saw the same machine), as with / without ratios, their median and bootstrap 95% CI over rounds
+(ablate.analysis.stats.ratio_summary, as summarise_arms does for speedups):
+
+  add-one-in of t      m(+t)_r / m(t's requirements)_r          (the baseline when it requires none)
+  leave-one-out of t   m(full)_r / m(-t)_r
+  interaction of t     leave-one-out / add-one-in of t's unit, per round: 1 when t's effect does not
+                       depend on the other techniques. t interacts when the CI excludes 1 and the
+                       median differs from 1 by more than `interaction_tolerance` (a relative change).
+  pair a x b           m(A|B)_r m(A&B)_r / (m(A)_r m(B)_r), A and B the closures of a and b: the
+                       2x2 factorial interaction (1: independent, multiplicative effects); judged by
+                       the same rule. Nested pairs (b requires a) have no such square and are not judged.
+                       A pair is reported whenever its four arms were measured, `pairs: true` or not.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ablate.engine.arm import BASELINE, Arm, resolve_arm
+from ablate.api.plugin import IncompatiblePlugins, PluginConfig, Slot
+from ablate.engine.registry import Registry
+from ablate.analysis.stats import ratio_summary
+
+MODEL_KEY = "model"       # an override key that sets model fields rather than a slot's plugin
+BASELINE_ARM = "baseline"
+FULL_ARM = "full"
+ARMS_TABLE = "ablation_arms"   # results table: every planned arm, measured or skipped with the reason
+
+# the metrics a contribution is reported for: column of runs.csv -> (label, higher is better)
+METRICS: dict[str, tuple[str, bool]] = {
+    "output_throughput_tok_s": ("output throughput", True),
+    "ttft_p99_ms": ("TTFT p99", False),
+    "tpot_p99_ms": ("TPOT p99", False),
+    "kv_reserved_peak_bytes": ("peak KV bytes", False),
+}
+
+
+@dataclass
+class Technique:
+    name: str
+    overrides: dict[str, Any]             # an arm spec fragment: {slot: plugin | {name, ...}, model: {...}}
+    requires: tuple[str, ...] = ()        # techniques it cannot run without (names)
+
+
+@dataclass
+class AblationConfig:
+    techniques: list[Technique]           # ordered so that each comes after what it requires
+    pairs: bool = False                   # also measure every pair over the baseline (2-factor interactions)
+    interaction_tolerance: float = 0.10   # a smaller relative departure from independence is not called out
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.interaction_tolerance < 1:
+            raise ValueError(f"experiment.ablation.interaction_tolerance must be in [0, 1), got "
+                             f"{self.interaction_tolerance}")
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.techniques]
+
+    def technique(self, name: str) -> Technique:
+        return next(t for t in self.techniques if t.name == name)
+
+    def requirements(self, name: str) -> frozenset[str]:
+        """What `name` requires, directly or through what it requires."""
+        found: set[str] = set()
+        todo = list(self.technique(name).requires)
+        while todo:
+            need = todo.pop()
+            if need not in found:
+                found.add(need)
+                todo += self.technique(need).requires
+        return frozenset(found)
+
+    def unit(self, name: str) -> frozenset[str]:
+        """`name` and every technique that requires it: what leaving it out removes."""
+        return frozenset({name} | {t for t in self.names if name in self.requirements(t)})
+
+    def closure(self, names: frozenset[str] | set[str]) -> frozenset[str]:
+        """The techniques plus all they require: a set that can be built."""
+        return frozenset(names).union(*(self.requirements(n) for n in names))
+
+    def ordered(self, names: frozenset[str]) -> list[str]:
+        return [n for n in self.names if n in names]
+
+
+def parse_ablation(raw: dict[str, Any]) -> AblationConfig:
+    """`experiment.ablation` (a plain dict) -> AblationConfig, refusing what cannot be meant."""
+    raw = dict(raw)
+    unknown = sorted(set(raw) - {"techniques", "pairs", "interaction_tolerance"})
+    if unknown:
+        raise ValueError(f"experiment.ablation has no field {', '.join(unknown)}; fields: techniques, pairs, "
+                         "interaction_tolerance")
+    declared = raw.pop("techniques", None)
+    if not isinstance(declared, dict) or not declared:
+        raise ValueError("experiment.ablation.techniques must map technique names to "
+                         "{overrides: {slot: plugin, ...}, requires: [names]}")
+    techniques = []
+    slots = {s.value for s in Slot}
+    for name, spec in declared.items():
+        where = f"experiment.ablation.techniques.{name}"
+        if not re.fullmatch(r"[A-Za-z0-9_]+", name):
+            raise ValueError(f"{where}: a technique name is letters, digits and _ (it names arms: +{name}, -{name})")
+        spec = dict(spec or {})
+        bad = sorted(set(spec) - {"overrides", "requires"})
+        if bad:
+            raise ValueError(f"{where} has no field {', '.join(bad)}; fields: overrides, requires")
+        overrides = dict(spec.get("overrides") or {})
+        if not overrides:
+            raise ValueError(f"{where}.overrides must set at least one slot, e.g. {{kv_cache: contiguous}}")
+        bad = sorted(set(overrides) - slots - {MODEL_KEY})
+        if bad:
+            raise ValueError(f"{where}.overrides: unknown slot {', '.join(bad)}; slots are "
+                             f"{', '.join(sorted(slots))} (and `{MODEL_KEY}` for model fields)")
+        if MODEL_KEY in overrides and not isinstance(overrides[MODEL_KEY], dict):
+            raise ValueError(f"{where}.overrides.{MODEL_KEY} must map model fields to values")
+        requires = spec.get("requires") or []
+        if isinstance(requires, str):
+            requires = [requires]
+        missing = sorted(set(requires) - set(declared))
+        if missing or name in requires:
+            raise ValueError(f"{where}.requires names {', '.join(missing) or name}: a technique requires other "
+                             f"declared techniques ({', '.join(declared)})")
+        techniques.append(Technique(name, overrides, tuple(requires)))
+    return AblationConfig(_requirements_first(techniques), **raw)
+
+
+def _requirements_first(techniques: list[Technique]) -> list[Technique]:
+    """Declaration order, except that a technique comes after what it requires; refuses cycles."""
+    placed: list[Technique] = []
+    pending = list(techniques)
+    while pending:
+        ready = [t for t in pending if set(t.requires) <= {p.name for p in placed}]
+        if not ready:
+            raise ValueError("experiment.ablation: techniques require each other in a cycle: "
+                             + ", ".join(f"{t.name} requires {'+'.join(t.requires)}" for t in pending))
+        placed.append(ready[0])
+        pending.remove(ready[0])
+    return placed
+
+
+class OverrideConflict(ValueError):
+    """Two techniques of one arm set the same slot (or model field) differently."""
+
+
+def arm_spec(cfg: AblationConfig, techniques: frozenset[str]) -> dict[str, Any]:
+    """The arm spec of a set of techniques: their overrides in order. A technique may replace what a
+    technique it requires set; any other disagreement is an OverrideConflict."""
+    spec: dict[str, Any] = {}
+    set_by: dict[tuple[str, ...], str] = {}      # (slot,) or (model, field) -> the technique that set it
+    for name in cfg.ordered(techniques):
+        allowed = cfg.requirements(name)
+        for key, value in cfg.technique(name).overrides.items():
+            targets = ([((MODEL_KEY, f), v) for f, v in value.items()] if key == MODEL_KEY else [((key,), value)])
+            for target, new in targets:
+                old, owner = _get(spec, target), set_by.get(target)
+                if owner is not None and owner not in allowed and _normal(old) != _normal(new):
+                    raise OverrideConflict(f"{'.'.join(target)}: {owner} sets {_shown(old)} and {name} sets "
+                                           f"{_shown(new)}, and neither requires the other")
+                _put(spec, target, new)
+                set_by[target] = name
+    return spec
+
+
+def _get(spec: dict[str, Any], target: tuple[str, ...]) -> Any:
+    return spec.get(target[0]) if len(target) == 1 else spec.get(target[0], {}).get(target[1])
+
+
+def _put(spec: dict[str, Any], target: tuple[str, ...], value: Any) -> None:
+    if len(target) == 1:
+        spec[target[0]] = value
+    else:
+        spec.setdefault(target[0], {})[target[1]] = value
+
+
+def _normal(choice: Any) -> Any:
+    """`paged` and {name: paged} choose the same plugin."""
+    return {"name": choice} if isinstance(choice, str) else choice
+
+
+def _shown(choice: Any) -> str:
+    return choice["name"] if isinstance(choice, dict) and list(choice) == ["name"] else str(choice)
+
+
+@dataclass
+class PlannedArm:
+    name: str
+    techniques: frozenset[str]
+    roles: list[str] = field(default_factory=list)   # baseline, full, add-one-in t, leave-one-out t, reference
+    skipped: str = ""                                # why it is not measured ("" when it is)
+
+
+def plan(cfg: AblationConfig) -> list[PlannedArm]:
+    """Every arm the contributions need, one per distinct set of techniques, baseline first."""
+    everything = frozenset(cfg.names)
+    wanted: list[tuple[str, frozenset[str], str]] = [(BASELINE_ARM, frozenset(), "baseline"),
+                                                     (FULL_ARM, everything, "full")]
+    wanted += [(f"+{t}", cfg.closure({t}), f"add-one-in {t}") for t in cfg.names]
+    wanted += [(f"-{t}", everything - cfg.unit(t), f"leave-one-out {t}") for t in cfg.names]
+    for t in cfg.names:    # what add-one-in divides by, and the add-one-in of t's unit the interaction needs
+        unit = cfg.closure(cfg.unit(t))
+        for techniques in (cfg.requirements(t), unit, unit - cfg.unit(t)):
+            wanted.append((_set_name(cfg, techniques), techniques, "reference"))
+    if cfg.pairs:
+        for a, b in itertools.combinations(cfg.names, 2):
+            pa, pb = cfg.closure({a}), cfg.closure({b})
+            if not (pa <= pb or pb <= pa):
+                wanted += [(_set_name(cfg, pa | pb), pa | pb, f"pair {a} x {b}"),
+                           (_set_name(cfg, pa & pb), pa & pb, "reference")]
+    arms: dict[frozenset[str], PlannedArm] = {}
+    for name, techniques, role in wanted:
+        arm = arms.setdefault(techniques, PlannedArm(name, techniques))
+        if role not in arm.roles:
+            arm.roles.append(role)
+    for arm in arms.values():     # "reference" only for an arm that has no other role
+        arm.roles = [r for r in arm.roles if r != "reference"] or ["reference"]
+    return list(arms.values())
+
+
+def _set_name(cfg: AblationConfig, techniques: frozenset[str]) -> str:
+    return "+".join(["", *cfg.ordered(techniques)]) if techniques else BASELINE_ARM
+
+
+def plan_arms(raw: dict[str, Any], plugins: dict[Slot, PluginConfig], registry: Registry
+              ) -> tuple[list[Arm], list[PlannedArm]]:
+    """The arms to measure over the composed slots, and the whole plan (skipped arms with their reason).
+
+    The composition must be the core baselines (their options may differ): what a slot holds in
+    every arm is not ablated, so a technique has to set it instead.
+    """
+    cfg = parse_ablation(raw)
+    fixed = [f"{s.value}={c.name}" for s, c in plugins.items() if c.name != BASELINE[s]]
+    if fixed:
+        raise ValueError(f"an ablation measures against the core baselines, but {' '.join(fixed)} is composed "
+                         "into every arm; turn it on through a technique in experiment.ablation.techniques")
+    arms, planned = [], plan(cfg)
+    for p in planned:
+        try:
+            arms.append(resolve_arm(p.name, arm_spec(cfg, p.techniques), plugins, registry))
+        except (OverrideConflict, IncompatiblePlugins) as err:
+            p.skipped = str(err)
+    return arms, planned
+
+
+def plan_table(raw: dict[str, Any], plugins: dict[Slot, PluginConfig], registry: Registry) -> pd.DataFrame:
+    """The whole plan as the results store it (ARMS_TABLE): see arm_table."""
+    arms, planned = plan_arms(raw, plugins, registry)
+    return arm_table(planned, arms)
+
+
+def arm_table(planned: list[PlannedArm], arms: list[Arm]) -> pd.DataFrame:
+    """One row per planned arm: its techniques, roles, plugins, and measured or skipped with why."""
+    labels = {a.name: a.label() for a in arms}
+    return pd.DataFrame([{"arm": p.name, "techniques": "+".join(sorted(p.techniques)), "roles": "; ".join(p.roles),
+                          "label": labels.get(p.name, ""), "status": "skipped" if p.skipped else "measured",
+                          "reason": p.skipped} for p in planned])
+
+
+# -- contributions -------------------------------------------------------------------------------------
+
+def per_round(runs: pd.DataFrame, arm: str, metric: str) -> pd.Series:
+    """The metric of one arm, indexed by round (repeat); empty for an arm that never ran."""
+    frame = runs[runs["arm"] == arm]
+    if metric not in frame:
+        return pd.Series(dtype=float)
+    return frame.set_index("repeat")[metric].astype(float)
+
+
+def paired_ratios(runs: pd.DataFrame, numerator: str, denominator: str, metric: str) -> pd.Series:
+    """numerator / denominator within each round; NaN where either is missing or the denominator is 0."""
+    num, den = per_round(runs, numerator, metric), per_round(runs, denominator, metric)
+    rounds = num.index.union(den.index)
+    num, den = num.reindex(rounds), den.reindex(rounds)
+    return num / den.where(den != 0)
+
+
+def summarise_ratios(ratios: pd.Series) -> dict[str, float]:
+    values = ratios.to_numpy(float)
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return {"median": np.nan, "ci_low": np.nan, "ci_high": np.nan, "rounds": 0}
+    summary = ratio_summary(values)
+    return {"median": summary["median"], "ci_low": summary["ci_low"], "ci_high": summary["ci_high"],
+            "rounds": summary["n"]}
+
+
+def interacts(median: float, ci_low: float, ci_high: float, tolerance: float) -> bool:
+    """Not independent: the CI excludes 1 and the median departs from 1 by more than `tolerance`."""
+    if not np.isfinite([median, ci_low, ci_high]).all():
+        return False
+    return bool((ci_low > 1 or ci_high < 1) and abs(np.log(median)) > np.log1p(tolerance))
+
+
+def contributions(runs: pd.DataFrame, arms: pd.DataFrame, cfg: AblationConfig) -> pd.DataFrame:
+    """One row per (technique or pair) x metric x kind: with / without ratio, median [95% CI], rounds,
+    whether it interacts, and a note (what leaving out also removes, skipped arms and why).
+
+    `arms` is the arm table (arm_table): which set of techniques each arm is, and why one was skipped.
+    """
+    by_set = {frozenset(t for t in str(row.techniques).split("+") if t and t != "nan"): row
+              for row in arms.fillna("").itertuples()}
+    everything = frozenset(cfg.names)
+
+    def ratio(with_set: frozenset[str], without_set: frozenset[str], metric: str) -> tuple[pd.Series, list[str]]:
+        why = [f"{by_set[s].arm} skipped: {by_set[s].reason}" for s in (with_set, without_set)
+               if s in by_set and by_set[s].status == "skipped"]
+        why += [f"{_set_name(cfg, s)} not planned" for s in (with_set, without_set) if s not in by_set]
+        if why:
+            return pd.Series(dtype=float), why
+        return paired_ratios(runs, by_set[with_set].arm, by_set[without_set].arm, metric), []
+
+    rows = []
+
+    def add(technique: str, metric: str, kind: str, with_set, without_set, ratios: pd.Series, notes: list[str],
+            judged: bool = False) -> None:
+        summary = summarise_ratios(ratios)
+        rows.append({"technique": technique, "metric": metric, "kind": kind,
+                     "with_arm": _arm_name(by_set, cfg, with_set), "without_arm": _arm_name(by_set, cfg, without_set),
+                     **summary,
+                     "interacts": judged and interacts(summary["median"], summary["ci_low"], summary["ci_high"],
+                                                       cfg.interaction_tolerance),
+                     "note": "; ".join(notes)})
+
+    for metric in METRICS:
+        ratios, why = ratio(everything, frozenset(), metric)
+        add("all", metric, "full_vs_baseline", everything, frozenset(), ratios, why)
+        for t in cfg.names:
+            unit = cfg.unit(t)
+            also = sorted(unit - {t})
+            add_with, add_without = cfg.closure({t}), cfg.requirements(t)
+            add_ratios, add_why = ratio(add_with, add_without, metric)
+            add(t, metric, "add_one_in", add_with, add_without, add_ratios,
+                add_why + ([f"over {'+'.join(cfg.ordered(add_without))} (what it requires)"] if add_without else []))
+            loo_ratios, loo_why = ratio(everything, everything - unit, metric)
+            add(t, metric, "leave_one_out", everything, everything - unit, loo_ratios,
+                loo_why + ([f"also removes {', '.join(also)} (requires {t})"] if also else []))
+            # the interaction compares like with like: adding and removing the same unit
+            unit_with = cfg.closure(unit)
+            unit_ratios, unit_why = ratio(unit_with, unit_with - unit, metric)
+            why = loo_why + unit_why
+            notes = why + ([f"compares adding and removing {'+'.join(cfg.ordered(unit))}"] if also else [])
+            add(t, metric, "interaction", everything, everything - unit,
+                pd.Series(dtype=float) if why else loo_ratios / unit_ratios, notes, judged=True)
+        for a, b in itertools.combinations(cfg.names, 2):
+            pa, pb = cfg.closure({a}), cfg.closure({b})
+            if pa <= pb or pb <= pa:
+                continue       # nested: b requires a (or the reverse), no 2x2 square to compare
+            sets = (pa | pb, pa & pb, pa, pb)
+            if not all(s in by_set and by_set[s].status == "measured" for s in sets):
+                continue       # not measured (experiment.ablation.pairs=true measures every pair)
+            both, neither, only_a, only_b = (per_round(runs, by_set[s].arm, metric) for s in sets)
+            ratios = both * neither / (only_a * only_b).where(only_a * only_b != 0)
+            add(f"{a} x {b}", metric, "pair", pa | pb, pa & pb, ratios, [], judged=True)
+    return pd.DataFrame(rows)
+
+
+def _arm_name(by_set: dict[frozenset[str], Any], cfg: AblationConfig, techniques: frozenset[str]) -> str:
+    return by_set[techniques].arm if techniques in by_set else _set_name(cfg, techniques)

@@ -1,0 +1,162 @@
+"""`python -m ablate compare <run> <run>`: two runs side by side, what differs between them, and
+whether each difference is beyond noise.
+
+For each grid point x arm present in both runs and each metric: the median over repeats of each,
+the ratio B / A of the medians and its percentile-bootstrap 95% CI, resampling each run's repeats
+independently. A difference is beyond noise when that CI excludes 1; with fewer than 2 repeats on
+a side the spread is unknown and nothing is claimed. Speedup is compared on its per-round ratios
+(baseline time / arm time within one round), so a machine that got slower for both arms alike does
+not show up as a change of speedup.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ablate.results import Results, load
+
+METRICS = ("speedup", "duration_s", "output_throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
+           "tpot_p99_ms", "peak_memory_bytes", "kv_reserved_peak_bytes", "decoding.alpha")
+NOT_COMPARED = ("results_dir", "wandb", "redo")      # config keys that say where, not what, was measured
+ENVIRONMENT = ("device", "device_name", "git_commit", "python", "platform", "versions")
+MIN_REPEATS = 2
+
+
+def ratio_ci(a: np.ndarray, b: np.ndarray, resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """median(b) / median(a) and its percentile-bootstrap 95% CI."""
+    a, b = a[~np.isnan(a)], b[~np.isnan(b)]
+    if not a.size or not b.size:
+        return (np.nan, np.nan, np.nan)
+    if not a.any() and not b.any():     # zero on both sides (e.g. no KV cache): the same
+        return (1.0, 1.0, 1.0)
+    if np.median(a) == 0:
+        return (np.nan, np.nan, np.nan)
+    rng = np.random.default_rng(seed)
+    ra = np.median(rng.choice(a, (resamples, a.size)), axis=1)
+    rb = np.median(rng.choice(b, (resamples, b.size)), axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = rb / ra
+    low, high = np.nanquantile(ratios, [0.025, 0.975])
+    return float(np.median(b) / np.median(a)), float(low), float(high)
+
+
+def verdict(low: float, high: float, num_a: int, num_b: int) -> str:
+    if min(num_a, num_b) < MIN_REPEATS:
+        return f"n/a (< {MIN_REPEATS} repeats)"
+    if np.isnan(low):
+        return "n/a"
+    return "beyond noise" if low > 1 or high < 1 else "within noise"
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}"""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out |= flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, value in A, value in B) for every flattened key whose values differ."""
+    fa, fb = flatten(a), flatten(b)
+    return [(k, fa.get(k, "-"), fb.get(k, "-")) for k in sorted(fa.keys() | fb.keys()) if fa.get(k) != fb.get(k)]
+
+
+def baseline_arm(res: Results) -> str:
+    """The arm speedups are relative to, as ablate.experiment.run chose it: experiment.baseline, else the
+    first arm. config.json stores the arms with sorted keys, so the first arm is read from runs.csv
+    instead: round 0 runs the arms in their order and its rows come first."""
+    named = (res.config.get("experiment") or {}).get("baseline")
+    return named or res.runs.loc[res.runs["repeat"] == 0, "arm"].iloc[0]
+
+
+def grid_runs(res: Results, point_keys: list[str]) -> pd.DataFrame:
+    """runs with a column per grid key: a key that is not this run's grid gets its workload's value
+    (a run at prompt_len=32 matches the prompt_len=32 point of a run that swept prompt_len)."""
+    workload = res.config.get("workload") or {}
+    return res.runs.assign(**{k: workload.get(k) for k in point_keys if k not in res.runs})
+
+
+def with_round_speedups(res: Results, point_keys: list[str]) -> pd.DataFrame:
+    """runs plus `speedup`: the baseline's time / the arm's time, in the same round and grid point."""
+    runs = grid_runs(res, point_keys)
+    base = runs[runs["arm"] == baseline_arm(res)][[*point_keys, "repeat", "duration_s"]]
+    merged = runs.merge(base.rename(columns={"duration_s": "_baseline_s"}), on=[*point_keys, "repeat"], how="left")
+    return merged.assign(speedup=merged["_baseline_s"] / merged["duration_s"]).drop(columns="_baseline_s")
+
+
+def compare(path_a: str, path_b: str) -> pd.DataFrame:
+    """One row per grid point x arm x metric: A and B medians, B / A with its CI, and the verdict."""
+    a, b = load(path_a), load(path_b)
+    grids = [list((r.config.get("experiment") or {}).get("grid") or {}) for r in (a, b)]
+    point_keys = list(dict.fromkeys(grids[0] + grids[1]))
+    runs_a, runs_b = with_round_speedups(a, point_keys), with_round_speedups(b, point_keys)
+    keys = [*point_keys, "arm"]
+    rows = []
+    for key, frame_a in runs_a.groupby(keys, sort=False):
+        mask = np.logical_and.reduce([runs_b[k] == v for k, v in zip(keys, key)])
+        frame_b = runs_b[mask]
+        if frame_b.empty:
+            continue
+        for metric in METRICS:
+            if metric not in frame_a or metric not in frame_b or frame_a[metric].isna().all():
+                continue
+            values_a, values_b = frame_a[metric].to_numpy(float), frame_b[metric].to_numpy(float)
+            if metric == "speedup" and (values_a == 1).all() and (values_b == 1).all():
+                continue     # the baseline against itself
+            ratio, low, high = ratio_ci(values_a, values_b)
+            num_a, num_b = int(np.sum(~np.isnan(values_a))), int(np.sum(~np.isnan(values_b)))
+            rows.append({**dict(zip(keys, key)), "metric": metric, "A": float(np.nanmedian(values_a)),
+                         "B": float(np.nanmedian(values_b)), "B/A": ratio, "ci_low": low, "ci_high": high,
+                         "repeats": f"{num_a}/{num_b}", "verdict": verdict(low, high, num_a, num_b)})
+    return pd.DataFrame(rows)
+
+
+def header(path_a: str, path_b: str) -> list[str]:
+    """Which runs, and what differs between them: the measured config, then the environment."""
+    a, b = load(path_a), load(path_b)
+    lines = [f"A: {path_a}", f"B: {path_b}", ""]
+    config = differences({k: v for k, v in a.config.items() if k not in NOT_COMPARED},
+                         {k: v for k, v in b.config.items() if k not in NOT_COMPARED})
+    lines.append("config (A -> B): " + ("the same" if not config else ""))
+    lines += [f"  {k}: {va!r} -> {vb!r}" for k, va, vb in config]
+    env = differences({k: a.environment.get(k) for k in ENVIRONMENT}, {k: b.environment.get(k) for k in ENVIRONMENT})
+    lines.append("environment (A -> B): " + ("the same" if not env else ""))
+    lines += [f"  {k}: {va!r} -> {vb!r}" for k, va, vb in env]
+    return lines
+
+
+def format_table(table: pd.DataFrame) -> str:
+    shown = table.assign(**{"95% CI": [f"[{lo:.3f}, {hi:.3f}]" for lo, hi in zip(table["ci_low"], table["ci_high"])]})
+    shown = shown.drop(columns=["ci_low", "ci_high"])
+    with pd.option_context("display.width", 250, "display.max_rows", 1000, "display.max_colwidth", 40):
+        return shown.to_string(index=False, float_format=lambda x: f"{x:,.4g}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ablate compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_a", help="a run folder (results/<experiment>/<run-id>)")
+    parser.add_argument("run_b", help="another run folder, compared against the first (ratios are B / A)")
+    args = parser.parse_args(argv)
+    table = compare(args.run_a, args.run_b)
+    if table.empty:
+        raise SystemExit("the two runs share no grid point and arm")
+    print("\n".join(header(args.run_a, args.run_b)) + "\n")
+    print(format_table(table))
+    beyond = table[table["verdict"] == "beyond noise"]
+    print(f"\n{len(beyond)} of {len(table)} differences beyond noise (bootstrap 95% CI of B / A excludes 1)")
+    where = list(table.columns[:table.columns.get_loc("metric") + 1])     # grid point, arm, metric
+    for _, row in beyond.iterrows():
+        print(f"  {' '.join(str(row[k]) for k in where)}: B/A {row['B/A']:.3f} [{row['ci_low']:.3f}, "
+              f"{row['ci_high']:.3f}]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Workloads: which requests arrive when, with how long a prompt and how many tokens to generate."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ablate.api.sequence import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from ablate.checkpoints.tokenizer import Tokenizer
+
+LENGTH_DISTS = ("fixed", "uniform", "exponential", "lognormal")
+ARRIVALS = ("burst", "poisson", "gamma", "trace", "textbook")
+# arrival=textbook: three requests with this many tokens still to generate, and a fourth that arrives
+# while they run. Static batching finishes them 3rd, 2nd, 1st, then the 4th; continuous batching lets
+# the 4th take the slot the 100-token request frees, so it finishes long before the 450- and 500-token ones.
+TEXTBOOK_OUTPUT_LENS = (500, 450, 100)
+PROMPT_SOURCES = ("random", "text")
+PROMPT_KINDS = ("open", "quote")
+
+
+@dataclass
+class WorkloadConfig:
+    num_requests: int = 8
+    prompt_len: int = 32           # mean prompt tokens
+    prompt_dist: str = "fixed"     # fixed | uniform (prompt_len +- prompt_spread)
+    prompt_spread: int = 0
+    output_len: int = 32           # mean output tokens
+    output_dist: str = "fixed"     # fixed | uniform | exponential | lognormal
+    output_spread: int = 0         # uniform: output_len +- output_spread
+    output_sigma: float = 1.0      # lognormal: sigma of log(length)
+    output_len_max: int = 0        # cap on sampled output lengths; 0: 4 x output_len
+    arrival: str = "burst"         # burst (all at t=0) | poisson (rate/s) | gamma (rate/s, burstiness) |
+                                   # trace (replay trace_path) | textbook (TEXTBOOK_OUTPUT_LENS + a late 4th)
+    rate: float = 1.0              # requests per second for poisson and gamma
+    burstiness: float = 1.0        # gamma shape = 1/burstiness: >1 burstier than Poisson
+    temperature: float = 0.0       # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0                  # seeds lengths, arrivals, prompt tokens and sampling
+    trace_path: str = ""           # arrival=trace: JSONL, one request a line (ablate/trace.py); its arrival
+                                   # times and lengths replace num_requests and the distributions above
+    textbook_arrival_s: float = 0.01   # arrival=textbook: when the 4th request (output_len tokens) arrives, s
+    source: str = "random"         # random: random token ids | text: real text (ablate.workload.text), tokenized
+    prompt_kind: str = "open"      # text prompts: open (a passage to continue) | quote (asks to repeat a passage)
+
+    def __post_init__(self) -> None:
+        for name in ("num_requests", "prompt_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"workload.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("prompt_spread", "output_spread", "output_len_max"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"workload.{name} must be >= 0, got {getattr(self, name)}")
+        if self.prompt_dist not in ("fixed", "uniform"):
+            raise ValueError(f"workload.prompt_dist must be fixed or uniform, got {self.prompt_dist!r}")
+        if self.output_dist not in LENGTH_DISTS:
+            raise ValueError(f"workload.output_dist must be one of {LENGTH_DISTS}, got {self.output_dist!r}")
+        if self.arrival not in ARRIVALS:
+            raise ValueError(f"workload.arrival must be one of {ARRIVALS}, got {self.arrival!r}")
+        if self.arrival == "trace" and not self.trace_path:
+            raise ValueError("workload.arrival=trace needs workload.trace_path (a JSONL file)")
+        if self.trace_path and self.arrival != "trace":
+            raise ValueError(f"workload.trace_path is only read with workload.arrival=trace, not {self.arrival!r}")
+        if self.textbook_arrival_s < 0:
+            raise ValueError(f"workload.textbook_arrival_s must be >= 0, got {self.textbook_arrival_s}")
+        if self.rate <= 0 or self.burstiness <= 0:
+            raise ValueError("workload.rate and workload.burstiness must be > 0")
+        if self.prompt_spread >= self.prompt_len and self.prompt_dist == "uniform":
+            raise ValueError("workload.prompt_spread must be smaller than workload.prompt_len")
+        if self.output_spread >= self.output_len and self.output_dist == "uniform":
+            raise ValueError("workload.output_spread must be smaller than workload.output_len")
+        if self.temperature < 0:
+            raise ValueError(f"workload.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"workload.top_p must be in (0, 1], got {self.top_p}")
+        if self.source not in PROMPT_SOURCES:
+            raise ValueError(f"workload.source must be one of {PROMPT_SOURCES}, got {self.source!r}")
+        if self.prompt_kind not in PROMPT_KINDS:
+            raise ValueError(f"workload.prompt_kind must be one of {PROMPT_KINDS}, got {self.prompt_kind!r}")
+
+    @property
+    def max_output_len(self) -> int:
+        if self.output_dist == "fixed":
+            return self.output_len
+        if self.output_dist == "uniform":
+            return self.output_len + self.output_spread
+        return self.output_len_max or 4 * self.output_len
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.prompt_len + (self.prompt_spread if self.prompt_dist == "uniform" else 0)
+
+
+def _output_lengths(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
+    n, mean = cfg.num_requests, cfg.output_len
+    if cfg.output_dist == "fixed":
+        lengths = np.full(n, mean)
+    elif cfg.output_dist == "uniform":
+        lengths = rng.integers(mean - cfg.output_spread, mean + cfg.output_spread + 1, n)
+    elif cfg.output_dist == "exponential":
+        lengths = np.ceil(rng.exponential(mean, n))
+    else:   # lognormal with the requested mean: mu = log(mean) - sigma^2 / 2
+        lengths = np.ceil(rng.lognormal(np.log(mean) - cfg.output_sigma**2 / 2, cfg.output_sigma, n))
+    return np.clip(lengths, 1, cfg.max_output_len).astype(int)
+
+
+def _arrival_times(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
+    n = cfg.num_requests
+    if cfg.arrival == "burst":
+        return np.zeros(n)
+    if cfg.arrival == "poisson":
+        gaps = rng.exponential(1.0 / cfg.rate, n)
+    else:   # gamma gaps with mean 1/rate and coefficient of variation sqrt(burstiness)
+        shape = 1.0 / cfg.burstiness
+        gaps = rng.gamma(shape, 1.0 / (cfg.rate * shape), n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def make_requests(cfg: WorkloadConfig, vocab_size: int, tokenizer: Tokenizer | None = None) -> list[Request]:
+    """Seeded requests: lengths and arrivals from the config; random prompt tokens, or with
+    source=text prompts cut from real text by `tokenizer` (about prompt_len tokens each).
+    arrival=trace replays a trace file (text prompts in it are encoded by `tokenizer`);
+    arrival=textbook gives the textbook's four requests."""
+    if cfg.arrival in ("trace", "textbook"):
+        if cfg.source != "random":
+            raise ValueError(f"workload.source={cfg.source} draws prompts for synthetic arrivals; with "
+                             f"arrival={cfg.arrival} prompts are random tokens (or a trace's prompt text)")
+        if cfg.arrival == "trace":
+            return trace_requests(cfg, vocab_size, tokenizer)
+        return textbook_requests(cfg, vocab_size)
+    rng = np.random.default_rng(cfg.seed)
+    if cfg.prompt_dist == "fixed":
+        prompt_lens = np.full(cfg.num_requests, cfg.prompt_len)
+    else:
+        prompt_lens = rng.integers(cfg.prompt_len - cfg.prompt_spread, cfg.prompt_len + cfg.prompt_spread + 1,
+                                   cfg.num_requests)
+    output_lens = _output_lengths(cfg, rng)
+    arrivals = _arrival_times(cfg, rng)
+    text_prompts = _text_prompts(cfg, prompt_lens, tokenizer) if cfg.source == "text" else None
+    requests = []
+    for i in range(cfg.num_requests):
+        if text_prompts is not None:
+            prompt = tuple(text_prompts[i])
+        else:
+            prompt = tuple(int(t) for t in rng.integers(0, vocab_size, int(prompt_lens[i])))
+        sampling = SamplingParams(cfg.temperature, cfg.top_p, seed=cfg.seed * 100_003 + i)
+        requests.append(Request(i, prompt, int(output_lens[i]), sampling, arrival_time=float(arrivals[i])))
+    return requests
+
+
+def _text_prompts(cfg: WorkloadConfig, prompt_lens: np.ndarray, tokenizer: Tokenizer | None) -> list[list[int]]:
+    """One text prompt of each sampled length (ablate.workload.text), seeded by the workload's seed."""
+    if tokenizer is None:
+        raise ValueError("workload.source=text needs the model's tokenizer (a model with a checkpoint, "
+                         "model.path or model.package)")
+    from ablate.workload.text import text_prompts
+
+    return [text_prompts(tokenizer, 1, int(n), seed=cfg.seed * 100_003 + i, kind=cfg.prompt_kind)[0]
+            for i, n in enumerate(prompt_lens)]
+
+
+def _request(cfg: WorkloadConfig, i: int, prompt: tuple[int, ...], output_len: int, arrival: float) -> Request:
+    sampling = SamplingParams(cfg.temperature, cfg.top_p, seed=cfg.seed * 100_003 + i)
+    return Request(i, prompt, output_len, sampling, arrival_time=arrival)
+
+
+def trace_requests(cfg: WorkloadConfig, vocab_size: int, tokenizer: Tokenizer | None = None) -> list[Request]:
+    """Replay cfg.trace_path: its arrivals and lengths; seeded random prompts of prompt_len tokens,
+    or the line's prompt text encoded by `tokenizer` (anything with encode(text) -> token ids)."""
+    from ablate.workload.trace import TraceError, read_trace
+
+    rng = np.random.default_rng(cfg.seed)
+    requests = []
+    for i, entry in enumerate(read_trace(cfg.trace_path)):
+        if entry.prompt is None:
+            prompt = tuple(int(t) for t in rng.integers(0, vocab_size, entry.prompt_len))
+        else:
+            if tokenizer is None:
+                raise TraceError(cfg.trace_path, entry.line, "prompt",
+                                 "prompt text needs the model's tokenizer, and none was given (a model with "
+                                 "a checkpoint), or give prompt_len instead")
+            prompt = tuple(tokenizer.encode(entry.prompt))
+            if not prompt or max(prompt) >= vocab_size:
+                raise TraceError(cfg.trace_path, entry.line, "prompt",
+                                 f"encodes to {len(prompt)} tokens, not all below the vocabulary size {vocab_size}")
+        requests.append(_request(cfg, i, prompt, entry.output_len, entry.arrival_time))
+    return requests
+
+
+def textbook_requests(cfg: WorkloadConfig, vocab_size: int,
+                      output_lens: tuple[int, ...] = TEXTBOOK_OUTPUT_LENS) -> list[Request]:
+    """The textbook case: requests 0, 1, 2 at t=0 with `output_lens` tokens to generate, and request 3
+    (cfg.output_len tokens) at cfg.textbook_arrival_s, while they run; prompts of cfg.prompt_len.
+
+    Run it with engine.max_num_seqs=3: the batch is full when the 4th arrives, so it waits either
+    for the whole batch (static) or for the first free slot (continuous)."""
+    rng = np.random.default_rng(cfg.seed)
+    lengths = list(output_lens) + [cfg.output_len]
+    arrivals = [0.0] * len(output_lens) + [cfg.textbook_arrival_s]
+    return [_request(cfg, i, tuple(int(t) for t in rng.integers(0, vocab_size, cfg.prompt_len)), n, t)
+            for i, (n, t) in enumerate(zip(lengths, arrivals))]

@@ -6,13 +6,10 @@ two result folders.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ablate.engine.registry import default_registry, register_configs
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"   # the repository's conf/
+from ablate.engine.registry import conf_dir, default_registry, register_configs
 
 
 def list_plugins() -> None:
@@ -40,7 +37,7 @@ def main() -> None:
     registry = default_registry()
     register_configs(registry)
 
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+    @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
     def job(cfg: DictConfig) -> None:
         raw = OmegaConf.to_container(cfg, resolve=True)
         sweeping = HydraConfig.get().mode == RunMode.MULTIRUN

@@ -51,7 +51,6 @@ def prefill_step(n: int, device: torch.device) -> StepInputs:
         seqs=[seq], input_ids=torch.zeros(n, dtype=torch.long, device=device),
         positions=torch.arange(n, device=device), query_lens=[n], context_lens=[n], query_starts=[0, n],
         logits_indices=torch.tensor([n - 1], device=device),
-        context_lens_t=torch.tensor([n], dtype=torch.int32, device=device),
         query_starts_t=torch.tensor([0, n], dtype=torch.int32, device=device))
 
 

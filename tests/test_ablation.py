@@ -8,11 +8,11 @@ import pandas as pd
 import pytest
 
 from ablate.experiment import job
-from ablate.experiment.ablation import (ARMS_TABLE, OverrideConflict, arm_spec, arm_table, contributions, interacts,
-                             parse_ablation, plan, plan_arms)
+from ablate.analysis.contributions import contributions, interacts
+from ablate.experiment.ablation import ARMS_TABLE, OverrideConflict, arm_spec, arm_table, parse_ablation, plan, plan_arms
 from ablate.report.ablation import section
 from ablate.engine.arm import baseline_configs
-from ablate.experiment.run import ExperimentConfig
+from ablate.experiment.config import ExperimentConfig
 from ablate.experiment.job import run_job
 from ablate.api.plugin import Slot
 
@@ -67,7 +67,7 @@ def test_refused_and_conflicting_arms_are_skipped_with_the_reason(registry):
         "paged": {"overrides": {"kv_cache": "paged"}},
         "dynamic": {"overrides": {"kv_cache": "dynamic"}},                 # collides with paged in kv_cache
     }}
-    arms, planned = plan_arms(raw, baseline_configs(registry), registry)
+    arms, planned = plan_arms(parse_ablation(raw), baseline_configs(registry), registry)
     table = arm_table(planned, arms).set_index("arm")
     skipped = table[table["status"] == "skipped"]
     assert "attention=paged cannot run with kv_cache=none" in skipped.loc["+paged_attention", "reason"]
@@ -80,7 +80,7 @@ def test_refused_and_conflicting_arms_are_skipped_with_the_reason(registry):
 def test_the_composition_must_be_the_core_baselines(registry):
     plugins = baseline_configs(registry) | {Slot.ATTENTION: registry.config(Slot.ATTENTION, "sdpa")}
     with pytest.raises(ValueError, match="attention=sdpa is composed into every arm"):
-        plan_arms({"techniques": TECHNIQUES}, plugins, registry)
+        plan_arms(parse_ablation({"techniques": TECHNIQUES}), plugins, registry)
 
 
 @pytest.mark.parametrize("raw, message", [

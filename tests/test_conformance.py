@@ -5,7 +5,7 @@ import pytest
 
 from ablate.api.plugin import Requirement, Slot
 from ablate.engine.registry import default_registry
-from ablate.testing.conformance import check_requirements_enforced
+from ablate.testing.declarations import check_requirements_enforced
 
 PLUGINS = sorted((slot.value, name) for slot, name in default_registry().plugins)
 
@@ -20,6 +20,6 @@ def test_kit_catches_a_requirement_that_is_not_declared_as_enforced(ablate_regis
     cls = ablate_registry.get(Slot.ATTENTION, "naive")
     monkeypatch.setattr(cls, "requires", (Requirement(Slot.KV_CACHE, frozenset({"none"}), "test"),))
     check_requirements_enforced(ablate_registry, Slot.ATTENTION, "naive")   # enforced: passes
-    monkeypatch.setattr("ablate.testing.conformance.check_compatible", lambda combo: None)
+    monkeypatch.setattr("ablate.testing.declarations.check_compatible", lambda combo: None)
     with pytest.raises(AssertionError, match="ran beside"):
         check_requirements_enforced(ablate_registry, Slot.ATTENTION, "naive")

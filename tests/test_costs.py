@@ -4,14 +4,14 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from ablate.analysis.costs import DEVICES, CostsConfig, cost_tables, kv_bytes_per_token, model_costs
+from ablate.analysis.costs import DEVICES, CostsConfig, cost_tables, model_costs
 from ablate.model.config import preset
 
 
 def test_llama_2_70b_kv_bytes_per_token():
-    assert kv_bytes_per_token(preset("llama-2-70b"), 2) == 2 * 80 * 8 * 128 * 2 == 327_680
+    assert preset("llama-2-70b").kv_bytes_per_token(2) == 2 * 80 * 8 * 128 * 2 == 327_680
     assert model_costs({"preset": "llama-2-70b", "n_kv_heads": 64}, "fp16").kv_bytes_per_token == 8 * 327_680
-    assert kv_bytes_per_token(preset("deepseek-v2"), 2) == 60 * (512 + 64) * 2       # MLA: latent + rotary key
+    assert preset("deepseek-v2").kv_bytes_per_token(2) == 60 * (512 + 64) * 2       # MLA: latent + rotary key
 
 
 def test_tables_follow_the_formulas():
@@ -51,10 +51,10 @@ def test_costs_experiment_runs_through_the_cli_job(compose_config, registry, tmp
 
 def test_chapter_12_and_13_experiments_compose(compose_config, registry, tmp_path):
     from ablate.experiment.config import to_run_config
-    from ablate.experiment.job import make_arms
+    from ablate.experiment.plan import make_plan
     for name, arms in (("ch12_flash", ["naive", "sdpa", "flash"]),
                        ("ch13_gqa_mla", ["mha", "gqa3", "mqa", "mla_r128", "mla_r64"])):
-        cfg, plugins = to_run_config(compose_config(tmp_path, f"+experiment={name}"), registry)
-        assert [a.name for a in make_arms(cfg, plugins, registry)] == arms
-    cfg, _ = to_run_config(compose_config(tmp_path, "+experiment=ch12_flash"), registry)
+        cfg = to_run_config(compose_config(tmp_path, f"+experiment={name}"), registry)
+        assert [a.name for a in make_plan(cfg, registry).arms] == arms
+    cfg = to_run_config(compose_config(tmp_path, "+experiment=ch12_flash"), registry)
     assert cfg.experiment.track_memory and cfg.model.max_seq_len > 8192

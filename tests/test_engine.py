@@ -208,45 +208,48 @@ def test_dynamic_reserves_less_than_contiguous_for_short_outputs(build, make_req
     assert peaks["dynamic"] < peaks["contiguous"]
 
 
-@pytest.mark.parametrize("kv_cache", ["contiguous", {"name": "dynamic", "initial_tokens": 8}],
-                         ids=["contiguous", "dynamic"])
-def test_truncate_rollback_equals_never_writing(kv_cache, build, tiny_model):
-    """Write a prompt plus draft tokens, roll the draft back, feed another token: the logits equal
-    those of a cache that never saw the draft (the speculative-decoding rejection path)."""
+@pytest.mark.parametrize("kv_cache", ["contiguous", {"name": "dynamic", "initial_tokens": 8}, "paged"],
+                         ids=["contiguous", "dynamic", "paged"])
+def test_rejected_drafts_are_forgotten_as_if_never_written(kv_cache, build, tiny_model):
+    """Feed a prompt plus draft tokens, reject the drafts (the engine commits only the prompt), feed
+    the target's token: the logits equal those of a cache that never saw the drafts (the
+    speculative-decoding rejection path through the engine's one commit)."""
     per_token = kv_bytes_per_token(tiny_model)
     prompt, draft, token = (17, 4, 99, 250, 3, 61), [8, 120, 33], 42
 
     built = build({"kv_cache": kv_cache}, max_num_seqs=2, max_seq_len=64, record=False)
-    runner, cache = built.engine.runner, built.kv_cache
+    engine, runner, cache = built.engine, built.engine.runner, built.kv_cache
     seq = Sequence(Request(0, prompt, 8))
-    cache.admit(seq)
-    assert cache.grow(seq, len(prompt))       # room for the prompt only: the dynamic cache grows for the draft
-    draft_logits, rows = runner.forward(Batch([seq], [len(prompt)]), extra_tokens={0: draft})
-    assert rows == [1 + len(draft)] and draft_logits.shape == (4, 256)
-    assert seq.num_computed_tokens == len(prompt) + len(draft)
-    assert cache.bytes_used() == (len(prompt) + len(draft)) * per_token
-
-    seq.num_computed_tokens = len(prompt)     # reject the whole draft
-    cache.truncate(seq, len(prompt))
-    assert cache.bytes_used() == len(prompt) * per_token
-    seq.token_ids.append(token)
-    assert cache.grow(seq, 1)
-    after_rollback, _ = runner.forward(Batch([seq], [1]))
+    seq.start()
+    assert cache.allocate(seq, len(prompt), num_lookahead_tokens=len(draft))
+    batch = engine.checked(Batch([seq], [len(prompt)]))
+    assert batch.num_lookahead_tokens == [len(draft)]       # the room beyond the prompt is the drafts'
+    out = runner.forward(batch, {0: draft})
+    assert out.rows == [1 + len(draft)] and out.logits.shape == (4, 256)
+    assert seq.num_computed_tokens == 0                     # the runner changes no sequence
+    engine.commit(batch, {0: [token]})                      # every draft rejected, the target's token emitted
+    assert seq.token_ids == [*prompt, token] and seq.num_computed_tokens == len(prompt)
+    assert cache.room(seq) == len(prompt) and cache.bytes_used() == len(prompt) * per_token
+    assert cache.allocate(seq, 1)
+    after_rollback = runner.forward(engine.checked(Batch([seq], [1]))).logits
 
     fresh = build({"kv_cache": kv_cache}, max_num_seqs=2, max_seq_len=64, record=False)
     ref_seq = Sequence(Request(0, prompt, 8))
-    fresh.kv_cache.admit(ref_seq)
-    fresh.kv_cache.grow(ref_seq, len(prompt))
-    fresh.engine.runner.forward(Batch([ref_seq], [len(prompt)]))
-    ref_seq.token_ids.append(token)
-    fresh.kv_cache.grow(ref_seq, 1)
-    never_written, _ = fresh.engine.runner.forward(Batch([ref_seq], [1]))
+    ref_seq.start()
+    fresh.kv_cache.allocate(ref_seq, len(prompt))
+    batch = fresh.engine.checked(Batch([ref_seq], [len(prompt)]))
+    fresh.engine.runner.forward(batch)
+    fresh.engine.commit(batch, {0: [token]})
+    fresh.kv_cache.allocate(ref_seq, 1)
+    never_written = fresh.engine.runner.forward(fresh.engine.checked(Batch([ref_seq], [1]))).logits
 
     torch.testing.assert_close(after_rollback, never_written, rtol=1e-4, atol=1e-4)
     # the draft's row at the same position saw another token: the comparison can tell them apart
-    assert not torch.allclose(draft_logits[1], never_written[0], atol=1e-2)
+    assert not torch.allclose(out.logits[1], never_written[0], atol=1e-2)
     # and the draft's last row is what feeding prompt + draft as one prompt gives
     whole = build({"kv_cache": "none"}, record=False)
     whole_seq = Sequence(Request(0, prompt + tuple(draft), 8))
-    whole_logits, _ = whole.engine.runner.forward(Batch([whole_seq], [len(prompt) + len(draft)]))
-    torch.testing.assert_close(draft_logits[-1:], whole_logits, rtol=1e-4, atol=1e-4)
+    whole_seq.start()
+    whole.kv_cache.allocate(whole_seq, len(prompt) + len(draft))
+    whole_logits = whole.engine.runner.forward(Batch([whole_seq], [len(prompt) + len(draft)])).logits
+    torch.testing.assert_close(out.logits[-1:], whole_logits, rtol=1e-4, atol=1e-4)

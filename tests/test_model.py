@@ -13,7 +13,9 @@ from ablate.api.step import Batch, StepInputs
 from ablate.experiment.config import build as build_dataclass
 from ablate.api.kv import PackedKV, PaddedKV
 from ablate.model.config import PRESETS, ModelConfig, preset
-from ablate.model.llama import Forward, LlamaModel
+from ablate.model.forward import Forward
+from ablate.model.llama import LlamaModel
+from ablate.api import BuildContext, EngineConfig, KVSpec
 from ablate.api.sequence import Request, Sequence
 
 
@@ -99,7 +101,6 @@ def make_step(query_lens: list[int], context_lens: list[int]) -> StepInputs:
         seqs=seqs, input_ids=torch.zeros(starts[-1], dtype=torch.long),
         positions=torch.tensor(positions), query_lens=list(query_lens), context_lens=list(context_lens),
         query_starts=starts, logits_indices=torch.zeros(0, dtype=torch.long),
-        context_lens_t=torch.tensor(context_lens, dtype=torch.int32),
         query_starts_t=torch.tensor(starts, dtype=torch.int32))
 
 
@@ -169,7 +170,8 @@ def hidden_states(model: LlamaModel, tokens: list[int], offset: int = 0) -> torc
     step = make_step([n], [n])
     step.input_ids = torch.tensor(tokens)
     step.positions = torch.arange(offset, offset + n)
-    cache = NoKVCache(NoKVCacheConfig(), type("Ctx", (), {"kv_spec": None})())
+    engine = EngineConfig(max_num_seqs=1)
+    cache = NoKVCache(NoKVCacheConfig(), BuildContext(model, KVSpec.of(model, engine, offset + n), engine))
     return model(Forward(step, cache, ATTENTION))
 
 
@@ -205,7 +207,8 @@ def test_model_forward_through_the_runner_matches_a_direct_forward(build):
     built = build({"kv_cache": "none"}, record=False)
     prompts = [(5, 17, 200), (3, 99, 42, 7, 128, 64, 11)]
     seqs = [Sequence(Request(i, p, 1)) for i, p in enumerate(prompts)]
-    logits, rows = built.engine.runner.forward(Batch(seqs, [len(p) for p in prompts]))
+    out = built.engine.runner.forward(Batch(seqs, [len(p) for p in prompts]))
+    logits, rows = out.logits, out.rows
     assert rows == [1, 1] and logits.shape == (2, 256) and logits.dtype == torch.float32
     model = built.engine.runner.model
     for row, prompt in zip(logits, prompts):

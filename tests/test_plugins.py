@@ -18,7 +18,8 @@ import ablate.engine.registry as registry_mod
 from ablate.engine.arm import baseline_configs, resolve_arm
 from ablate.baselines import NaiveAttention
 from ablate.model.llama import LlamaModel
-from ablate.api.plugin import IncompatiblePlugins, PluginConfig, Requirement, Slot, check_compatible
+from ablate.api.plugin import PluginConfig, Requirement, Slot
+from ablate.engine.arm import IncompatiblePlugins, check_compatible
 from ablate.engine.registry import GROUP, PluginInfo, Registry, UnknownPlugin, discover
 from ablate_kv_cache.contiguous import ContiguousKVCache
 from ablate_kv_cache.dynamic import DynamicKVCache
@@ -220,6 +221,7 @@ RECORDING = '''
 """kv_cache=recording: the contiguous cache, counting the tokens it writes."""
 from dataclasses import dataclass
 
+from ablate.api import Stat
 from ablate_kv_cache.contiguous import ContiguousConfig, ContiguousKVCache
 
 
@@ -231,7 +233,7 @@ class RecordingConfig(ContiguousConfig):
 class RecordingKVCache(ContiguousKVCache):
     name = "recording"
     config_class = RecordingConfig
-    stats_keys = ContiguousKVCache.stats_keys + ("recorded_writes",)
+    reported_stats = ContiguousKVCache.reported_stats + (Stat("recorded_writes", "K/V rows written", "count"),)
 
     def __init__(self, config, ctx):
         super().__init__(config, ctx)

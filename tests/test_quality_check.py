@@ -12,7 +12,8 @@ from ablate.api.step import StepInputs
 from ablate.api.plugin import PluginConfig, QualityBound, Slot
 from ablate.measure.quality import perplexity, runner_perplexity
 from ablate.engine.registry import PluginInfo, Registry
-from ablate.testing.conformance import arm_perplexity, check_quality, sampled_text
+from ablate.testing.declarations import check_declarations
+from ablate.testing.quality import arm_perplexity, check_quality, sampled_text
 
 
 @dataclass
@@ -30,10 +31,8 @@ class AmnesiacKVCache(NoKVCache):
     exact = False
     quality = QualityBound(max_ratio=1.5, num_tokens=48)
 
-    def prepare(self, step: StepInputs) -> None:
-        step.context_lens = list(step.query_lens)                 # the view holds this step's keys only
-        step.context_lens_t = torch.tensor(step.query_lens, dtype=torch.int32, device=step.input_ids.device)
-        super().prepare(step)
+    def prepare(self, step: StepInputs) -> list[int]:
+        return list(step.query_lens)                              # the view holds this step's keys only
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +80,7 @@ def test_a_bound_it_keeps_passes_and_returns_both_perplexities(ablate_tiny_model
 def test_a_plugin_that_is_not_exact_must_declare_a_bound(ablate_tiny_model, registry, monkeypatch):
     monkeypatch.setattr(AmnesiacKVCache, "quality", None)
     with pytest.raises(AssertionError, match=r"kv_cache=amnesiac declares exact = False but no quality bound"):
-        check_quality(registry, Slot.KV_CACHE, "amnesiac", ablate_tiny_model)
+        check_declarations(registry, Slot.KV_CACHE, "amnesiac")
 
 
 def test_exact_plugins_are_not_scored(ablate_tiny_model, registry):

@@ -11,10 +11,14 @@ import pytest
 from matplotlib.container import ErrorbarContainer
 
 from ablate.report import plots
-from ablate.report.plots import Layout, draw, with_run_columns
+from ablate.report.declared import Declarations
 from ablate.report.page import main as report_main
 from ablate.report.page import markdown, write_report
+from ablate.report.plots import Layout, draw, with_run_columns
 from ablate.results import RunFolder
+from ablate_decoding.speculative import Speculative
+
+SPECULATIVE = Declarations.of([Speculative])    # what a speculative arm's plugin declares
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -53,7 +57,9 @@ def test_figures_follow_the_columns_present(tmp_path):
                                 **{"decoding.k": lambda n, i: np.nan if i == 0 else 2.0 * i,
                                    "decoding.alpha": lambda n, i: np.nan if i == 0 else 0.5,
                                    "decoding.predicted_speedup": lambda n, i: np.nan if i == 0 else 1.5})
-    assert "acceptance" in draw(speculative, ["prompt_kind"], tmp_path / "spec")
+    assert "acceptance" not in draw(speculative, ["prompt_kind"], tmp_path / "undeclared")   # nobody declared it
+    figures = draw(speculative, ["prompt_kind"], tmp_path / "spec", declared=SPECULATIVE)
+    assert {"acceptance", "speculative_speedup"} <= set(figures)
 
     variants = summary_frame({}, arms=("mha", "gqa", "mqa"), seqs_admitted_max=lambda n, i: 2.0 ** (i + 1),
                              kv_used_peak_bytes=lambda n, i: 1000.0 * i, perplexity=lambda n, i: 10.0 + i,
@@ -106,22 +112,23 @@ def test_a_second_grid_key_sets_the_markers_and_categories_stay_categories():
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["quote", "open"]
 
 
-def test_run_columns_add_throughput_cis_and_the_drafter():
+def test_run_columns_add_throughput_cis_and_perplexity():
     summary = summary_frame({"output_len": [16]})
     runs = pd.DataFrame({"output_len": 16, "arm": ["base"] * 3 + ["cache"] * 3, "repeat": [0, 1, 2] * 2,
                          "output_throughput_tok_s": [90.0, 100.0, 110.0, 190.0, 200.0, 210.0],
-                         "kv_bytes_per_token": 512, "decoding.drafter": ["ngram"] * 6})
+                         "perplexity": [12.0] * 3 + [13.0] * 3})
     frame = with_run_columns(summary, runs, ["output_len"]).set_index("arm")
-    assert frame.loc["cache", "decoding.drafter"] == "ngram" and frame.loc["base", "kv_bytes_per_token"] == 512
+    assert frame.loc["cache", "perplexity"] == 13.0
     assert 190 <= frame.loc["cache", "output_throughput_tok_s_ci_low"] <= 200 <= \
         frame.loc["cache", "output_throughput_tok_s_ci_high"] <= 210
 
 
 def test_markdown_has_the_tables_the_results_call_for_and_the_noise_warnings():
     frame = summary_frame({}, arms=("ar", "ngram_k2"), **{"decoding.k": lambda n, i: np.nan if i == 0 else 2.0,
-                                                          "decoding.alpha": lambda n, i: np.nan if i == 0 else 0.6})
+                                                          "decoding.alpha": lambda n, i: np.nan if i == 0 else 0.6,
+                                                          "decoding.drafter": lambda n, i: None if i == 0 else "ngram"})
     frame.loc[1, ["duration_cv", "noisy"]] = [0.25, True]
-    text = markdown("ch11", frame, [], ["a note"], {"speedup": Path("speedup.png")})
+    text = markdown("ch11", frame, [], ["a note"], {"speedup": Path("speedup.png")}, declared=SPECULATIVE)
     assert text.startswith("# ch11\n") and "## Speculative decoding" in text and "| ngram_k2 |" in text
     assert "## KV bytes" not in text
     assert "- a note" in text and "**warning**: arm ngram_k2: run-time CV 25%" in text

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ablate.measure.hardware import Peaks
 from ablate.model.config import ModelConfig
 
 
@@ -20,32 +19,17 @@ class StepCost:
     flops: float
     bytes: float
 
-    def __add__(self, other: StepCost) -> StepCost:
-        return StepCost(self.flops + other.flops, self.bytes + other.bytes)
-
-    def seconds(self, peaks: Peaks) -> float:
-        return max(self.flops / peaks.flops, self.bytes / peaks.bandwidth_bytes_s)
-
-
-def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int | None = None) -> int:
-    """2 x layers x kv_heads x head_dim x dtype bytes (MLA: layers x (latent + rope-key width) x dtype bytes)."""
-    width = dtype_bytes if dtype_bytes is not None else _dtype_bytes(cfg)
-    heads, k_width, v_width = cfg.kv_cache_widths
-    return cfg.n_layers * heads * (k_width + v_width) * width
-
-
-def _dtype_bytes(cfg: ModelConfig) -> int:
-    return {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.dtype]
-
 
 class CostModel:
-    def __init__(self, cfg: ModelConfig, keeps_kv: bool) -> None:
+    def __init__(self, cfg: ModelConfig, keeps_kv: bool, kv_token_bytes: int | None = None) -> None:
+        """kv_token_bytes: what the arm's cache stores per token (KVCache.bytes_per_token); default
+        the model's K/V in its dtype."""
         self.cfg = cfg
         self.keeps_kv = keeps_kv
         self.linear_params = cfg.num_params(include_embeddings=False) - cfg.n_layers * 2 * cfg.d_model - cfg.d_model
         self.head_params = cfg.vocab_size * cfg.d_model
-        self.weight_bytes = (self.linear_params + self.head_params) * _dtype_bytes(cfg)
-        self.kv_token_bytes = kv_bytes_per_token(cfg)
+        self.weight_bytes = (self.linear_params + self.head_params) * cfg.torch_dtype.itemsize
+        self.kv_token_bytes = kv_token_bytes if kv_token_bytes is not None else cfg.kv_bytes_per_token()
 
     def step(self, query_lens: list[int], context_lens: list[int], num_logits: int) -> StepCost:
         cfg = self.cfg

@@ -26,17 +26,13 @@ ablate.measure.hardware.peaks (or given as peak_bandwidth / peak_flops) with its
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 import psutil
 import torch
 
 from ablate.model.config import DTYPES, ModelConfig, preset
-
-if TYPE_CHECKING:
-    from ablate.experiment.config import RunConfig
-    from ablate.results import RunFolder
 
 THIS_MACHINE = "this-machine"
 
@@ -135,12 +131,6 @@ class ModelCosts:
         return self.active_weight_bytes + context * self.kv_bytes_per_token
 
 
-def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int) -> int:
-    """2 L H_kv d_h e for K and V heads; L (d_c + d_R) e for MLA's latent and rotary key."""
-    heads, k_width, v_width = cfg.kv_cache_widths
-    return cfg.n_layers * heads * (k_width + v_width) * element_bytes
-
-
 def model_costs(entry: dict[str, Any], dtype: str) -> ModelCosts:
     fields = {k: v for k, v in entry.items() if k not in ("preset", "label")}
     cfg = preset(entry["preset"], dtype=dtype, **fields)
@@ -153,7 +143,7 @@ def model_costs(entry: dict[str, Any], dtype: str) -> ModelCosts:
         total = cfg.num_params()
         # a decoded token reads every matmul weight; of the embedding table only its own row (untied)
         active = total - (0 if cfg.tied_embeddings else cfg.vocab_size * cfg.d_model)
-    return ModelCosts(label, cfg, element_bytes, float(total), float(active), kv_bytes_per_token(cfg, element_bytes))
+    return ModelCosts(label, cfg, element_bytes, float(total), float(active), cfg.kv_bytes_per_token(element_bytes))
 
 
 def this_machine(dtype: torch.dtype, bandwidth: float = 0.0, flops: float = 0.0) -> DeviceSpec:
@@ -220,31 +210,3 @@ def resolve_devices(config: CostsConfig, bandwidth: float = 0.0, flops: float = 
     for key in config.devices:
         out[key] = DEVICES[key] if key != THIS_MACHINE else this_machine(DTYPES[config.dtype], bandwidth, flops)
     return out
-
-
-def run_costs_job(cfg: RunConfig, raw: dict[str, Any], folder: RunFolder) -> None:
-    """`python -m ablate +experiment=ch07_costs`: compute, print, store like any experiment, log to W&B."""
-    from ablate.experiment.config import build
-    from ablate.report.table_run import store_tables
-
-    config = build(CostsConfig, raw.get("costs"), "costs")
-    devices = resolve_devices(config, cfg.peak_bandwidth, cfg.peak_flops)
-    tables = cost_tables(config, devices)
-    tables["device_specs"] = pd.DataFrame([{"device": k, **vars(d)} for k, d in devices.items()])
-    table = printed_table(tables, config)
-    print(table.to_string(index=False))
-    notes = [f"dtype {config.dtype}; decode figures at batch 1 and context {config.context_lens[0]}",
-             "memory left for KV = device memory - weight bytes (nothing kept for activations or the runtime)",
-             "MFU ceiling = decode FLOPs per token / (its bandwidth lower bound on time) / peak FLOP/s",
-             *[f"{k}: {d.source}" for k, d in devices.items()],
-             *[f"{k}: {p.source}" for k, p in PUBLISHED_PARAMS.items()]]
-    report = "\n".join([f"# {cfg.experiment.name}: serving costs from shapes and datasheets", "",
-                        table.to_markdown(index=False), "", *[f"- {n}" for n in notes]]) + "\n"
-    c0 = config.context_lens[0]
-    summary = {f"kv_bytes_per_token/{r.model}": float(r.kv_bytes_per_token) for r in tables["models"].itertuples()}
-    summary |= {f"decode_ms_per_token_at_{c0}/{r['model']}/{r['device']}": float(r[f"decode_ms_per_token_at_{c0}"])
-                for _, r in tables["devices"].iterrows()}
-    wandb_dir = store_tables(folder, experiment=cfg.experiment.name, chapter=cfg.experiment.chapter, config=raw,
-                             tables=tables, report=report, summary=summary, wandb=cfg.wandb,
-                             tags=[m.get("label") or m["preset"] for m in config.models])
-    print(f"\nreport: {folder.path / 'report.md'}" + (f"\nW&B run: {wandb_dir}" if wandb_dir else ""))

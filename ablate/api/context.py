@@ -1,14 +1,18 @@
-"""What plugins are built from: the model, the device and the shape of one token's K/V."""
+"""What plugins are built from: the model, the engine's limits, the shape of one token's K/V, and
+the plugins built before them."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ablate.api.kv import KVSpec
+
 if TYPE_CHECKING:
-    from ablate.api.slots import KVCache
-    from ablate.model.llama import LlamaModel
+    from ablate.api.executor import ModelSession
+    from ablate.api.slots import Attention, KVCache
 
 
 @dataclass(frozen=True)
@@ -26,40 +30,50 @@ class EngineConfig:
             raise ValueError(f"engine.max_seq_len must be >= 0, got {self.max_seq_len}")
 
 
-@dataclass(frozen=True)
-class KVSpec:
-    """The shape of what a KV cache stores per token and layer."""
-
-    num_layers: int
-    n_kv_heads: int
-    k_head_dim: int           # MLA stores a latent + rotary key here and nothing in V
-    v_head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-    max_num_seqs: int
-    max_seq_len: int
-
-    @property
-    def bytes_per_token(self) -> int:
-        """2 x layers x kv_heads x head_dim x dtype bytes, for K and V widths that may differ."""
-        width = self.n_kv_heads * (self.k_head_dim + self.v_head_dim)
-        return self.num_layers * width * self.dtype.itemsize
-
-    @classmethod
-    def of(cls, model: LlamaModel, engine: EngineConfig, max_seq_len: int) -> KVSpec:
-        cfg = model.config
-        heads, k_width, v_width = cfg.kv_cache_widths     # MLA: one latent row in K, nothing in V
-        return cls(cfg.n_layers, heads, k_width, v_width, cfg.torch_dtype,
-                   next(model.parameters()).device, engine.max_num_seqs, max_seq_len)
+class NotBuiltYet(AttributeError):
+    pass
 
 
 @dataclass
 class BuildContext:
-    model: LlamaModel
+    """Handed to every plugin's constructor. The engine builds an arm's plugins in this order:
+
+        variant -> kv_cache -> attention -> decoding -> scheduler
+
+    (the variant first, since it may change the model the others are built for), so a plugin may
+    use what was built before it: the scheduler admits into `kv_cache` and reserves
+    `num_lookahead_tokens` for decoding; a decoding plugin that drafts with a model asks for
+    `model_session(model)`, which runs that model through a fresh cache of the arm's kv_cache
+    plugin and the arm's attention.
+    """
+
+    model: Any                      # the LlamaModel the arm runs (after its variant)
     kv_spec: KVSpec
     engine: EngineConfig
-    kv_cache: KVCache | None = None   # set before the scheduler is built: it admits into the cache
+    _kv_cache: KVCache | None = None
+    _attention: Attention | None = None
+    num_lookahead_tokens: int = 0   # set from the decoding plugin before the scheduler is built
+    _model_session: Callable[[Any], ModelSession] | None = None
 
     @property
     def device(self) -> torch.device:
         return self.kv_spec.device
+
+    @property
+    def kv_cache(self) -> KVCache:
+        if self._kv_cache is None:
+            raise NotBuiltYet("ctx.kv_cache is built after the variant: a variant plugin cannot use it")
+        return self._kv_cache
+
+    @property
+    def attention(self) -> Attention:
+        if self._attention is None:
+            raise NotBuiltYet("ctx.attention is built after the variant and the kv_cache")
+        return self._attention
+
+    def model_session(self, model: Any) -> ModelSession:
+        """Run `model` (a draft, or a subset of the target's layers) over the engine's sequences with a
+        KV cache of its own: the arm's kv_cache plugin and options, and the arm's attention."""
+        if self._model_session is None:
+            raise NotBuiltYet("ctx.model_session is available to decoding plugins (built after kv_cache and attention)")
+        return self._model_session(model)

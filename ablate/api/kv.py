@@ -1,17 +1,61 @@
-"""What attention reads from a KV cache for one layer, in the cache's own layout.
+"""What a KV cache stores (KVSpec), what attention reads from it (the views), and its memory budget.
 
-Every view can also hand out the keys and values padded per sequence, (B, S, H_kv, D) with
-S = the batch's longest context, which is what the generic attention paths (naive, sdpa) use.
-Kernels that understand a layout natively (paged decode) take the view as it is.
+Every view can hand out the keys and values padded per sequence, (B, S, H_kv, D) with S >= the
+step's longest kv_len, which is what the generic attention paths (naive, sdpa) use. Kernels that
+understand a layout natively (paged decode) take the view as it is. A view holds K/V in the
+model's dtype: a cache that stores them compressed (int8, say) dequantises in `view`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+import psutil
 import torch
 
+from ablate.api.plugin import PluginConfig
 from ablate.api.step import StepInputs
 
+if TYPE_CHECKING:
+    from ablate.api.context import EngineConfig
+
+
+def kv_bytes_per_token(num_layers: int, n_kv_heads: int, k_width: int, v_width: int, element_bytes: int) -> int:
+    """2 x layers x kv_heads x head_dim x dtype bytes, written for K and V widths that may differ
+    (MLA: layers x (latent + rotary key) x dtype bytes, one "head", nothing in V). The one formula:
+    KVSpec and ModelConfig both call it."""
+    return num_layers * n_kv_heads * (k_width + v_width) * element_bytes
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The shape of what a KV cache stores per token and layer, and the most it must hold."""
+
+    num_layers: int
+    n_kv_heads: int
+    k_head_dim: int           # MLA stores a latent + rotary key here and nothing in V
+    v_head_dim: int
+    dtype: torch.dtype        # what the model writes and attention reads
+    device: torch.device
+    max_num_seqs: int         # engine.max_num_seqs: sequences at once
+    max_seq_len: int          # the longest sequence of the workload (prompt + output)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K/V bytes of one token in the model's dtype (kv_bytes_per_token). A cache that stores them
+        in another format reports its own (KVCache.bytes_per_token)."""
+        return kv_bytes_per_token(self.num_layers, self.n_kv_heads, self.k_head_dim, self.v_head_dim,
+                                  self.dtype.itemsize)
+
+    @classmethod
+    def of(cls, model: Any, engine: EngineConfig, max_seq_len: int) -> KVSpec:
+        cfg = model.config
+        heads, k_width, v_width = cfg.kv_cache_widths     # MLA: one latent row in K, nothing in V
+        return cls(cfg.n_layers, heads, k_width, v_width, cfg.torch_dtype,
+                   next(model.parameters()).device, engine.max_num_seqs, max_seq_len)
+
+
+# -- views: what attention reads for one layer ---------------------------------------------------------
 
 @dataclass
 class PackedKV:
@@ -30,13 +74,13 @@ class PackedKV:
 
 @dataclass
 class PaddedKV:
-    """One row per sequence, already padded (contiguous and dynamic caches)."""
+    """One row per sequence, in batch order, already padded (contiguous, dynamic, streaming caches)."""
 
-    k: torch.Tensor   # (B, S, H_kv, D), S >= the longest context
+    k: torch.Tensor   # (B, S, H_kv, D), S >= the step's longest kv_len
     v: torch.Tensor
 
     def padded(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        s = step.max_context_len
+        s = step.max_kv_len
         return self.k[:, :s], self.v[:, :s]
 
 
@@ -53,7 +97,7 @@ class PagedKV:
         return self.k_cache.shape[1]
 
     def padded(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        s = step.max_context_len
+        s = step.max_kv_len
         num_blocks = -(-s // self.block_size)
         table = self.block_tables[:, :num_blocks].long()                  # (B, nb)
         k = self.k_cache[table].flatten(1, 2)[:, :s]                       # (B, S, H_kv, D)
@@ -62,3 +106,68 @@ class PagedKV:
 
 
 KVView = PackedKV | PaddedKV | PagedKV
+
+
+def view_problem(view: KVView, step: StepInputs, spec: KVSpec) -> str | None:
+    """Why `view` cannot be what attention reads for `step`, or None when its shapes fit."""
+    if isinstance(view, PackedKV):
+        k, v, lead = view.k, view.v, (step.num_tokens,)
+        if k.shape[:1] != lead:
+            return f"PackedKV holds {k.shape[0]} token rows, the step feeds {step.num_tokens}"
+    elif isinstance(view, PaddedKV):
+        k, v = view.k, view.v
+        if k.dim() != 4 or k.shape[0] != step.num_seqs:
+            return f"PaddedKV.k has shape {tuple(k.shape)}, expected (B={step.num_seqs}, S, H_kv, D)"
+        if k.shape[1] < step.max_kv_len:
+            return (f"PaddedKV rows hold {k.shape[1]} keys but a sequence of this step has "
+                    f"{step.max_kv_len} (kv_lens {step.kv_lens})")
+    elif isinstance(view, PagedKV):
+        k, v = view.k_cache, view.v_cache
+        tables = view.block_tables
+        if tables.dim() != 2 or tables.shape[0] != step.num_seqs:
+            return f"PagedKV.block_tables has shape {tuple(tables.shape)}, expected (B={step.num_seqs}, blocks)"
+        if tables.shape[1] * view.block_size < step.max_kv_len:
+            return (f"PagedKV block tables cover {tables.shape[1] * view.block_size} keys but a sequence of "
+                    f"this step has {step.max_kv_len}")
+    else:
+        return f"a view must be PackedKV, PaddedKV or PagedKV (ablate.api), got {type(view).__name__}"
+    want = (spec.n_kv_heads, spec.k_head_dim)
+    if tuple(k.shape[-2:]) != want or tuple(v.shape[-2:]) != (spec.n_kv_heads, spec.v_head_dim):
+        return (f"K/V heads and widths {tuple(k.shape[-2:])}/{tuple(v.shape[-2:])}, expected "
+                f"{want}/{(spec.n_kv_heads, spec.v_head_dim)}")
+    if k.dtype != spec.dtype:
+        return f"K/V in {k.dtype}, expected the model's {spec.dtype} (dequantise in view())"
+    return None
+
+
+# -- the memory budget every cache can take ----------------------------------------------------------
+
+@dataclass
+class KVBudgetConfig(PluginConfig):
+    """Base of a cache config that takes a memory budget: a number of bytes, or a fraction of the
+    memory free when the cache is built (device memory on a GPU, available RAM on the CPU)."""
+
+    budget_bytes: int = 0          # most bytes of K/V the cache may hold; 0: see budget_fraction
+    budget_fraction: float = 0.0   # or this fraction of free device memory (RAM on the CPU); 0: no limit
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes < 0:
+            raise ValueError(f"kv_cache.budget_bytes must be >= 0, got {self.budget_bytes}")
+        if not 0 <= self.budget_fraction <= 1:
+            raise ValueError(f"kv_cache.budget_fraction must be in [0, 1], got {self.budget_fraction}")
+        if self.budget_bytes and self.budget_fraction:
+            raise ValueError("kv_cache.budget_bytes and kv_cache.budget_fraction are both set: give one")
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def budget_bytes(config: KVBudgetConfig, device: torch.device) -> int:
+    """The budget in bytes; 0: no limit."""
+    if config.budget_fraction:
+        return int(config.budget_fraction * free_memory_bytes(device))
+    return config.budget_bytes

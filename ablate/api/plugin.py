@@ -1,7 +1,8 @@
-"""What every technique declares: its slot, name, config, needs, exactness, quality bound and stats.
+"""What every technique declares: its slot, name, config, needs, exactness, quality bound, stats
+and figures.
 
-A plugin is a class; its entry point (group `ablate.plugins`) names the class. The core's
-baselines are plugins too, found the same way.
+A plugin is a class; its entry point (group `ablate.plugins`, named `<slot>.<name>`) names the
+class. The core's baselines are plugins too, found the same way.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ class Slot(str, enum.Enum):
 
 @dataclass
 class PluginConfig:
-    """Base of every plugin's config dataclass: `name` picks the plugin within its slot."""
+    """Base of every plugin's config dataclass: `name` picks the plugin within its slot. Subclasses
+    comment every field and validate it in __post_init__ (a ValueError naming `<slot>.<field>`)."""
 
     name: str = ""
 
@@ -66,38 +68,81 @@ class QualityBound:
             raise ValueError(f"QualityBound.num_tokens must be >= 2 (one token predicts the next), got {self.num_tokens}")
 
 
+UNITS = ("", "count", "tokens", "bytes", "ms", "ratio", "fraction", "x", "text")
+AGGREGATES = ("median", "max", "min", "first")
+
+
+@dataclass(frozen=True)
+class Stat:
+    """One figure a plugin reports in `stats()`: results column `<slot>.<key>`.
+
+    The report formats it by `unit`, combines the repeats of an arm by `aggregate`, shows it in the
+    table headed `table` (if any) and, when it `predicts` a measured column (e.g. kv_util_mean),
+    beside that column as "measured (predicted)" and as a dotted series in its figure.
+    """
+
+    key: str
+    description: str
+    unit: str = ""             # one of UNITS: "" for a plain number, "text" for a label
+    aggregate: str = "median"  # one of AGGREGATES: how the repeats of an arm combine
+    table: str = ""            # heading of the report table that shows it; "" -> only in the CSVs and W&B
+    predicts: str = ""         # the measured results column it is a prediction of
+
+    def __post_init__(self) -> None:
+        if self.unit not in UNITS:
+            raise ValueError(f"Stat {self.key!r}: unit must be one of {UNITS}, got {self.unit!r}")
+        if self.aggregate not in AGGREGATES:
+            raise ValueError(f"Stat {self.key!r}: aggregate must be one of {AGGREGATES}, got {self.aggregate!r}")
+        if self.unit == "text" and self.aggregate != "first":
+            raise ValueError(f"Stat {self.key!r}: a text stat aggregates by 'first'")
+
+
+@dataclass(frozen=True)
+class StatFigure:
+    """A figure the report draws from a plugin's stats: `series` against `x`, one line per value
+    of `group_by`. Names are this plugin's stat keys or results columns (e.g. "speedup"); the
+    figure is drawn when the results hold `x` and at least one series."""
+
+    name: str                      # the PNG's file name and the report's anchor
+    title: str
+    x: str
+    series: tuple[str, ...]
+    ylabel: str
+    caption: str
+    group_by: str = ""             # a text stat whose values split the lines (e.g. the drafter)
+
+
 class Plugin:
+    """Base of every slot's plugin class (ablate.api.slots). Declarations are class attributes."""
+
     slot: ClassVar[Slot]
     name: ClassVar[str]
     config_class: ClassVar[type[PluginConfig]] = PluginConfig
     exact: ClassVar[bool] = True              # greedy tokens equal the baseline's, token for token
     quality: ClassVar[QualityBound | None] = None   # not exact: what it may cost (the kit checks it)
     requires: ClassVar[tuple[Requirement, ...]] = ()
-    stats_keys: ClassVar[tuple[str, ...]] = ()  # keys `stats()` always returns
+    reported_stats: ClassVar[tuple[Stat, ...]] = ()   # what stats() returns, key for key
+    figures: ClassVar[tuple[StatFigure, ...]] = ()    # report figures drawn from those stats
 
     def __init__(self, config: PluginConfig, ctx: BuildContext) -> None:
         self.config = config
 
+    def __repr__(self) -> str:
+        return f"{self.slot.value}={self.name}"
+
     def stats(self) -> dict[str, float | str]:
-        """Technique-specific figures for the results (stable keys: `stats_keys`)."""
+        """The values of `reported_stats`, key for key, for the run just served."""
         return {}
 
     def close(self) -> None:
         """Free what the plugin holds (tensors, threads) when its arm is done."""
 
 
-class IncompatiblePlugins(ValueError):
-    """Two plugins chosen for one arm cannot run together."""
+class PluginError(RuntimeError):
+    """A plugin broke the engine's contract (or failed inside one of its methods): the message names
+    the plugin as `<slot>=<name>.<method>` and the rule it broke."""
 
-
-def check_compatible(plugins: dict[Slot, type[Plugin]]) -> None:
-    """Refuse a combination before any model loads, naming both plugins and the reason."""
-    for plugin in plugins.values():
-        for need in plugin.requires:
-            other = plugins.get(need.slot)
-            if other is None or other.name not in need.names:
-                got = other.name if other else "nothing"
-                raise IncompatiblePlugins(
-                    f"{plugin.slot.value}={plugin.name} cannot run with {need.slot.value}={got}: "
-                    f"it needs {need.slot.value} in {sorted(need.names)} ({need.reason})"
-                )
+    def __init__(self, plugin: Plugin | str, method: str, problem: str) -> None:
+        self.plugin = str(plugin)
+        self.method = method
+        super().__init__(f"{self.plugin}.{method}: {problem}")

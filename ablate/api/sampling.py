@@ -44,10 +44,6 @@ class Sampler:
         """One token from a distribution probs (V,)."""
         return int(torch.multinomial(probs.cpu(), 1, generator=self.generator(seq)))
 
-    def uniform(self, seq: Sequence) -> float:
-        """A U(0, 1) draw from the sequence's own stream (speculative acceptance tests)."""
-        return float(torch.rand((), generator=self.generator(seq)))
-
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits (N, V), one row per sequence -> one token each."""
         if all(s.request.sampling.is_greedy for s in seqs):
@@ -60,6 +56,3 @@ class Sampler:
             else:
                 tokens.append(self.draw(probabilities(row[None], params)[0], seq))
         return tokens
-
-    def forget(self, seq: Sequence) -> None:
-        self._generators.pop(seq.seq_id, None)

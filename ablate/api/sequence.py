@@ -1,8 +1,16 @@
-"""What a user asks for (Request) and the engine's state for it (Sequence)."""
+"""What a user asks for (Request) and the engine's state for it (Sequence).
+
+Plugins read a Sequence; only the engine core changes it, in three places:
+  - the scheduler base class (ablate.api.slots.Scheduler): admission (`start`) and preemption;
+  - the engine, once after every step: the tokens it computed and emitted (`advance`);
+  - a model session (a draft model's own run), for the shadow sequences it keeps.
+Progress is therefore read-only from outside: `seq.num_computed_tokens = 3` raises AttributeError.
+"""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -12,10 +20,12 @@ class SamplingParams:
     seed: int | None = None      # per-request generator seed: the same seed gives the same tokens
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
 
     @property
     def is_greedy(self) -> bool:
@@ -36,34 +46,59 @@ class Request:
             raise ValueError(f"request {self.request_id}: the prompt is empty")
         if self.max_new_tokens < 1:
             raise ValueError(f"request {self.request_id}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.arrival_time < 0:
-            raise ValueError(f"request {self.request_id}: arrival_time must be >= 0, got {self.arrival_time}")
+        if not (math.isfinite(self.arrival_time) and self.arrival_time >= 0):
+            raise ValueError(f"request {self.request_id}: arrival_time must be a finite number of seconds >= 0, "
+                             f"got {self.arrival_time}")
 
 
 class Status(enum.Enum):
     WAITING = "waiting"      # arrived, not admitted (or preempted)
     RUNNING = "running"      # holds KV-cache room and is being computed
-    FINISHED = "finished"
+    FINISHED = "finished"    # emitted its last token (a static batch may still hold its room)
 
 
-@dataclass(eq=False)
 class Sequence:
-    """A request in flight: its tokens so far and how many of them the KV cache holds."""
+    """A request in flight: its tokens so far and how many of them have been run through the model."""
 
-    request: Request
-    token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0      # tokens already run through the model (a cache that keeps K/V holds them)
-    status: Status = Status.WAITING
-    finish_reason: str | None = None     # "length" | "stop"
-    num_preemptions: int = 0
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self._token_ids = list(request.prompt_token_ids)
+        self._num_computed_tokens = 0
+        self._status = Status.WAITING
+        self._finish_reason: str | None = None
+        self._num_preemptions = 0
 
-    def __post_init__(self) -> None:
-        if not self.token_ids:
-            self.token_ids = list(self.request.prompt_token_ids)
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")
 
+    # -- read by everyone --------------------------------------------------------------------------
     @property
     def seq_id(self) -> int:
         return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt + output so far. The engine's own list: read it, never change it."""
+        return self._token_ids
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Leading tokens already run through the model (a cache that keeps K/V holds them)."""
+        return self._num_computed_tokens
+
+    @property
+    def status(self) -> Status:
+        return self._status
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"length" (max_new_tokens reached) | "stop" (a stop token) | None while running."""
+        return self._finish_reason
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._num_preemptions
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -71,41 +106,74 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self._token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self._token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self._token_ids[self.num_prompt_tokens:]
 
     @property
     def max_num_tokens(self) -> int:
-        """The longest this sequence can become: what a contiguous cache reserves."""
+        """The longest this sequence can become: what a contiguous cache reserves. Its cache never
+        holds more than max_num_tokens - 1 tokens: the last emitted token is never fed back."""
         return self.num_prompt_tokens + self.request.max_new_tokens
 
     @property
     def is_prefilling(self) -> bool:
         """True while prompt tokens remain to be computed (the first step, or chunks of it)."""
-        return self.num_computed_tokens < self.num_prompt_tokens
+        return self._num_computed_tokens < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
-        return self.status is Status.FINISHED
+        return self._status is Status.FINISHED
 
-    def append(self, token_ids: list[int]) -> list[int]:
-        """Append emitted tokens, stopping at the stop token or the length limit; returns those kept."""
+    # -- written by the engine core only ----------------------------------------------------------
+    def start(self, num_cached_tokens: int = 0) -> None:
+        """Scheduler base class: admitted; the cache already holds its first `num_cached_tokens`."""
+        if self._status is not Status.WAITING:
+            raise RuntimeError(f"sequence {self.seq_id} admitted while {self._status.value}")
+        if not 0 <= num_cached_tokens < self.num_tokens:
+            raise RuntimeError(f"sequence {self.seq_id}: {num_cached_tokens} cached tokens of {self.num_tokens}: "
+                               "at least its last token must be fed (its logits pick the next)")
+        self._status = Status.RUNNING
+        self._num_computed_tokens = num_cached_tokens
+
+    def requeue(self) -> None:
+        """Scheduler base class: an admission found no room after all; waiting again, nothing computed."""
+        self._status = Status.WAITING
+        self._num_computed_tokens = 0
+
+    def preempt(self) -> None:
+        """Scheduler base class: back to the queue with nothing computed (its K/V is recomputed)."""
+        self.requeue()
+        self._num_preemptions += 1
+
+    def advance(self, num_new_tokens: int, emitted: list[int]) -> list[int]:
+        """Engine, after a step that fed `num_new_tokens` (+ the drafts it verified) and emitted `emitted`.
+
+        Appends the emitted tokens up to a stop token or the length limit and returns those kept.
+        Computed afterwards: without emissions, the fed tokens; with them, every token but the
+        last kept one (the accepted drafts were fed; the last token is fed next step).
+        """
+        if not emitted:
+            self._num_computed_tokens += num_new_tokens
+            return []
         kept: list[int] = []
-        for token in token_ids:
+        for token in emitted:
             if self.num_output_tokens >= self.request.max_new_tokens:
                 break
-            self.token_ids.append(token)
+            self._token_ids.append(token)
             kept.append(token)
             if token in self.request.stop_token_ids:
-                self.finish_reason = "stop"
+                self._finish_reason = "stop"
                 break
-        if self.finish_reason is None and self.num_output_tokens >= self.request.max_new_tokens:
-            self.finish_reason = "length"
+        if self._finish_reason is None and self.num_output_tokens >= self.request.max_new_tokens:
+            self._finish_reason = "length"
+        self._num_computed_tokens = self.num_tokens - 1
+        if self._finish_reason is not None:
+            self._status = Status.FINISHED
         return kept

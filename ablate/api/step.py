@@ -1,4 +1,5 @@
-"""One engine step's work: which sequences, how many new tokens each, and the tensors for it."""
+"""One engine step: the scheduler's decision (Batch), the tensors of its forward pass (StepInputs)
+and the logits that come back (StepLogits)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,16 +9,25 @@ import torch
 from ablate.api.sequence import Sequence
 
 
-@dataclass
+@dataclass(frozen=True)
 class Batch:
-    """The scheduler's decision for one step."""
+    """Which sequences run this step and how many new tokens each feeds.
+
+    The scheduler builds it with `seqs` and `num_new_tokens`; the engine adds
+    `num_lookahead_tokens`, the room the scheduler allocated beyond them: how many extra tokens
+    (drafts to verify) decoding may feed for each sequence this step.
+    """
 
     seqs: list[Sequence]
-    num_new_tokens: list[int]          # tokens each sequence feeds this step (prompt chunk, 1 for decode)
+    num_new_tokens: list[int]          # tokens each sequence feeds: its prompt (or a chunk of it), 1 when decoding
+    num_lookahead_tokens: list[int] = field(default_factory=list)   # filled by the engine; empty: 0 each
 
     def __post_init__(self) -> None:
         if len(self.seqs) != len(self.num_new_tokens):
-            raise ValueError("Batch needs one num_new_tokens entry per sequence")
+            raise ValueError(f"Batch needs one num_new_tokens entry per sequence, got {len(self.seqs)} "
+                             f"sequences and {len(self.num_new_tokens)} entries")
+        if not self.num_lookahead_tokens:
+            object.__setattr__(self, "num_lookahead_tokens", [0] * len(self.seqs))
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -26,26 +36,42 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def emits(self) -> list[bool]:
+        """Per sequence: this step feeds it up to its last known token, so it gets logits and emits.
+        False for a prompt chunk that stops short of the prompt's end."""
+        return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
+
 
 @dataclass
 class StepInputs:
     """The tensors of one forward pass, built once per step and read by every layer.
 
     Queries are packed: sequence b owns rows query_starts[b] : query_starts[b+1] of every (T, ...)
-    tensor. Its queries sit at absolute positions context_lens[b] - query_lens[b] ... context_lens[b]-1,
-    and after this step's K/V are written the cache holds context_lens[b] keys for it.
+    tensor. Its queries sit at absolute positions context_lens[b] - query_lens[b] ... context_lens[b]-1
+    (RoPE uses them). Attention sees kv_lens[b] keys for it: the cache's view after this step's
+    K/V are written. kv_lens == context_lens for every cache that keeps all tokens; a cache that
+    evicts (a sliding window) reports fewer. The query at row i of sequence b may see the keys
+    0 .. kv_lens[b] - query_lens[b] + i (causal, aligned at the end).
     """
 
     seqs: list[Sequence]
     input_ids: torch.Tensor        # (T,) int64
     positions: torch.Tensor        # (T,) int64
     query_lens: list[int]          # (B,) tokens fed per sequence
-    context_lens: list[int]        # (B,) keys per sequence after this step
+    context_lens: list[int]        # (B,) the sequence's length after this step (positions)
     query_starts: list[int]        # (B+1,) cumulative starts of each sequence's queries
     logits_indices: torch.Tensor   # (N,) rows of the packed hidden states that need logits
-    context_lens_t: torch.Tensor   # (B,) int32 on the device, for kernels and masks
     query_starts_t: torch.Tensor   # (B+1,) int32 on the device
+    kv_lens: list[int] = field(default_factory=list)      # (B,) keys attention sees; default context_lens
+    kv_lens_t: torch.Tensor | None = None                  # (B,) int32 on the device
     _memo: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.kv_lens:
+            self.kv_lens = list(self.context_lens)
+        if self.kv_lens_t is None:
+            self.kv_lens_t = torch.tensor(self.kv_lens, dtype=torch.int32, device=self.input_ids.device)
 
     @property
     def num_seqs(self) -> int:
@@ -60,8 +86,8 @@ class StepInputs:
         return max(self.query_lens)
 
     @property
-    def max_context_len(self) -> int:
-        return max(self.context_lens)
+    def max_kv_len(self) -> int:
+        return max(self.kv_lens)
 
     @property
     def is_decode(self) -> bool:
@@ -83,3 +109,27 @@ class StepInputs:
             valid = col[None, :] < lens[:, None]                                      # (B, Lq)
             return valid.flatten().nonzero().squeeze(1), valid
         return self.memo("query_pad_index", make)
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """What a forward pass returns: logits (N, V) fp32, and how many rows each sequence owns.
+
+    Sequence i (batch order) owns rows starts[i] : starts[i] + rows[i]: none for a prompt chunk
+    that stops short of its end, one for its last token, and one more per draft token fed after it.
+    """
+
+    logits: torch.Tensor    # (N, V) fp32
+    rows: list[int]         # (B,)
+
+    @property
+    def starts(self) -> list[int]:
+        out = [0]
+        for r in self.rows:
+            out.append(out[-1] + r)
+        return out
+
+    def of(self, i: int) -> torch.Tensor:
+        """Sequence i's rows (rows[i], V): the target's logits at its last token and after each draft."""
+        start = sum(self.rows[:i])
+        return self.logits[start:start + self.rows[i]]

@@ -5,11 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ablate.api.step import StepInputs
-from ablate.api.slots import KVCache
-from ablate.api.kv import PackedKV
-from ablate.api.plugin import PluginConfig
-from ablate.api.sequence import Sequence
+from ablate.api import KVCache, PackedKV, PluginConfig, Sequence, StepInputs
 
 
 @dataclass
@@ -22,17 +18,11 @@ class NoKVCache(KVCache):
     config_class = NoKVCacheConfig
     keeps_kv = False   # the runner feeds tokens[0 : n] every step instead of the new ones only
 
-    def can_admit(self, seq: Sequence) -> bool:
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         return True
 
-    def admit(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence) -> None:
         pass
-
-    def grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return True
-
-    def release(self, seq: Sequence) -> None:
-        self._lengths.pop(seq.seq_id, None)
 
     def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
         self._step_kv = PackedKV(k, v)   # lives for this layer's attention only

@@ -8,11 +8,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ablate.api.step import Batch
-from ablate.api.context import BuildContext
-from ablate.api.slots import Scheduler
-from ablate.api.plugin import PluginConfig
-from ablate.api.sequence import Sequence, Status
+from ablate.api import Batch, BuildContext, PluginConfig, Scheduler, Sequence
 
 
 @dataclass
@@ -26,8 +22,6 @@ class StaticScheduler(Scheduler):
 
     def __init__(self, config: StaticSchedulerConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
-        self.kv_cache = ctx.kv_cache
-        self.max_num_seqs = ctx.engine.max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.batch: list[Sequence] = []   # the current static batch, finished members included
 
@@ -37,37 +31,24 @@ class StaticScheduler(Scheduler):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.batch)
 
-    @property
-    def num_running(self) -> int:
-        return sum(not s.is_finished for s in self.batch)
-
     def next_batch(self) -> Batch | None:
-        if not self.batch:
-            while self.waiting and len(self.batch) < self.max_num_seqs and self.kv_cache.can_admit(self.waiting[0]):
-                seq = self.waiting.popleft()
-                self.kv_cache.admit(seq)
-                seq.status = Status.RUNNING
-                self.batch.append(seq)
+        if not self.batch:     # a new batch: as many waiting sequences as fit, each with its whole prompt
+            while self.waiting and len(self.batch) < self.max_num_seqs:
+                seq = self.waiting[0]
+                if not self.admit(seq, seq.num_tokens):
+                    break
+                self.batch.append(self.waiting.popleft())
+            return Batch(self.batch, [s.num_tokens for s in self.batch]) if self.batch else None
         active = [s for s in self.batch if not s.is_finished]
-        if not active:
-            return None
-        num_new = [s.num_tokens - s.num_computed_tokens for s in active]   # whole prompt, then 1
-        for seq, n in zip(active, num_new):
-            if not self.kv_cache.grow(seq, n):
+        for seq in active:                 # one decode token each
+            if not self.grow(seq, 1):
                 raise RuntimeError(
-                    f"the KV cache has no room for sequence {seq.seq_id} and the static scheduler "
-                    "cannot preempt: raise the KV budget or lower engine.max_num_seqs"
-                )
-        return Batch(active, num_new)
+                    f"the KV cache has no room for sequence {seq.seq_id}'s next token and the static scheduler "
+                    "cannot preempt: raise the KV budget or lower engine.max_num_seqs")
+        return Batch(active, [1] * len(active)) if active else None
 
-    def finish_step(self, batch: Batch, emitted: dict[int, list[int]]) -> list[Sequence]:
-        finished = []
-        for seq in batch.seqs:
-            if seq.finish_reason is not None:
-                seq.status = Status.FINISHED
-                finished.append(seq)
+    def finish_step(self, batch: Batch) -> None:
         if all(s.is_finished for s in self.batch):      # the whole batch is done: free its room
             for seq in self.batch:
-                self.kv_cache.release(seq)
+                self.release(seq)
             self.batch = []
-        return finished

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ablate.api.slots import ModelVariant
-from ablate.model.llama import LlamaModel
-from ablate.api.plugin import PluginConfig
+from ablate.api import ModelVariant, PluginConfig
 
 
 @dataclass
@@ -17,5 +15,5 @@ class UnchangedModel(ModelVariant):
     name = "none"
     config_class = UnchangedModelConfig
 
-    def apply(self, model: LlamaModel) -> LlamaModel:
+    def apply(self, model):
         return model

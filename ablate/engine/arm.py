@@ -4,16 +4,73 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ablate.api.context import BuildContext, EngineConfig, KVSpec
-from ablate.engine.engine import Engine
+from ablate.api.context import BuildContext, EngineConfig
+from ablate.api.kv import KVSpec
+from ablate.api.plugin import Plugin, PluginConfig, PluginError, Slot
 from ablate.api.slots import Attention, Decoding, KVCache, ModelVariant, Scheduler
-from ablate.model.llama import LlamaModel
-from ablate.api.plugin import Plugin, PluginConfig, Slot, check_compatible
+from ablate.engine.engine import Engine
 from ablate.engine.registry import Registry
 from ablate.engine.runner import ModelRunner
+from ablate.engine.session import ModelRunSession
+from ablate.model.llama import LlamaModel
 
 BASELINE = {Slot.MODEL: "none", Slot.KV_CACHE: "none", Slot.ATTENTION: "naive",
             Slot.SCHEDULER: "static", Slot.DECODING: "autoregressive"}
+MODEL_KEY = "model"     # an arm spec key that sets model fields rather than a slot's plugin
+
+
+class IncompatiblePlugins(ValueError):
+    """Two plugins chosen for one arm cannot run together."""
+
+
+def check_compatible(plugins: dict[Slot, type[Plugin]]) -> None:
+    """Refuse a combination before any model loads, naming both plugins and the reason."""
+    for plugin in plugins.values():
+        for need in plugin.requires:
+            other = plugins.get(need.slot)
+            if other is None or other.name not in need.names:
+                got = other.name if other else "nothing"
+                raise IncompatiblePlugins(
+                    f"{plugin.slot.value}={plugin.name} cannot run with {need.slot.value}={got}: "
+                    f"it needs {need.slot.value} in {sorted(need.names)} ({need.reason})"
+                )
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """What an arm sets over the composed config: per slot a plugin and options, and model fields."""
+
+    plugins: dict[Slot, dict[str, Any]] = field(default_factory=dict)   # slot -> {name: ..., option: value}
+    model: dict[str, Any] = field(default_factory=dict)                 # e.g. {"n_kv_heads": 1}
+
+    @classmethod
+    def parse(cls, where: str, raw: dict[str, Any] | None) -> ArmSpec:
+        """{slot: plugin | {name: plugin, option: value}, model: {field: value}} -> ArmSpec."""
+        raw = dict(raw or {})
+        model = raw.pop(MODEL_KEY, None) or {}
+        if not isinstance(model, dict):
+            raise ValueError(f"{where}.{MODEL_KEY} must map model fields to values, got {model!r}")
+        valid = {s.value for s in Slot}
+        unknown = sorted(set(raw) - valid)
+        if unknown:
+            raise ValueError(f"{where}: unknown slot {', '.join(unknown)}; slots are {', '.join(sorted(valid))} "
+                             f"(and `{MODEL_KEY}` for model fields)")
+        plugins = {}
+        for slot_name, choice in raw.items():
+            fields = dict(choice) if isinstance(choice, dict) else {"name": choice}
+            if not isinstance(fields.get("name"), str) or not fields["name"]:
+                raise ValueError(f"{where}.{slot_name} needs a plugin `name`, got {choice!r}")
+            plugins[Slot(slot_name)] = fields
+        return cls(plugins, dict(model))
+
+    def then(self, other: ArmSpec) -> ArmSpec:
+        """This spec with `other` applied over it (the later one wins per slot; options of the same
+        plugin merge)."""
+        plugins = dict(self.plugins)
+        for slot, fields in other.plugins.items():
+            same = slot in plugins and plugins[slot]["name"] == fields["name"]
+            plugins[slot] = {**plugins[slot], **fields} if same else dict(fields)
+        return ArmSpec(plugins, {**self.model, **other.model})
 
 
 @dataclass
@@ -28,36 +85,20 @@ class Arm:
         return " ".join(parts) or "baseline"
 
 
-def resolve_arm(name: str, spec: dict[str, Any], base: dict[Slot, PluginConfig], registry: Registry) -> Arm:
-    """Apply an arm's spec ({slot: plugin name | {name: ..., option: value}, model: {...}}) to `base`.
-
-    A slot the spec does not mention keeps the base's plugin; a slot naming the base's plugin
-    keeps the base's options too, with the spec's options on top.
-    """
-    spec = dict(spec or {})
-    model_overrides = dict(spec.pop("model", None) or {})
-    valid = {s.value for s in Slot}
-    unknown = sorted(set(spec) - valid)
-    if unknown:
-        raise ValueError(f"arm {name!r}: unknown slot {', '.join(unknown)}; slots are {', '.join(sorted(valid))} "
-                         "(and `model` for model fields)")
+def resolve_arm(name: str, spec: ArmSpec | dict[str, Any] | None, base: dict[Slot, PluginConfig],
+                registry: Registry) -> Arm:
+    """Apply an arm's spec to `base`: a slot the spec does not mention keeps the base's plugin; a
+    slot naming the base's plugin keeps the base's options too, with the spec's on top."""
+    if not isinstance(spec, ArmSpec):
+        spec = ArmSpec.parse(f"arm {name!r}", spec)
     plugins = dict(base)
-    for slot_name, choice in spec.items():
-        slot = Slot(slot_name)
-        fields = dict(choice) if isinstance(choice, dict) else {"name": choice}
-        if "name" not in fields:
-            raise ValueError(f"arm {name!r}: {slot_name} needs a plugin `name` (one of {registry.choices(slot)})")
-        plugin_name = fields["name"]
-        if base[slot].name == plugin_name:
-            fields = {**_fields(base[slot]), **fields}
-        plugins[slot] = registry.config(slot, plugin_name, fields)
-    arm = Arm(name, plugins, model_overrides)
+    for slot, fields in spec.plugins.items():
+        if base[slot].name == fields["name"]:
+            fields = {**asdict(base[slot]), **fields}
+        plugins[slot] = registry.config(slot, fields["name"], fields)
+    arm = Arm(name, plugins, dict(spec.model))
     check_compatible({s: registry.get(s, c.name) for s, c in arm.plugins.items()})
     return arm
-
-
-def _fields(config: PluginConfig) -> dict[str, Any]:
-    return asdict(config)
 
 
 def baseline_configs(registry: Registry) -> dict[Slot, PluginConfig]:
@@ -73,10 +114,17 @@ class BuiltArm:
     def kv_cache(self) -> KVCache:
         return self.plugins[Slot.KV_CACHE]
 
-    def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {}
+    def stats(self) -> dict[str, float | str]:
+        """Every plugin's stats as `slot.key` columns, checked against what each declares."""
+        out: dict[str, float | str] = {}
         for plugin in self.plugins.values():
-            out |= {f"{plugin.slot.value}.{k}": v for k, v in plugin.stats().items()}
+            values = plugin.stats()
+            declared = {s.key for s in type(plugin).reported_stats}
+            if set(values) != declared:
+                missing, extra = sorted(declared - set(values)), sorted(set(values) - declared)
+                raise PluginError(plugin, "stats", f"returned keys that differ from its reported_stats: "
+                                  f"missing {missing}, undeclared {extra}")
+            out |= {f"{plugin.slot.value}.{k}": v for k, v in values.items()}
         return out
 
     def close(self) -> None:
@@ -86,20 +134,35 @@ class BuiltArm:
 
 def build_arm(arm: Arm, model: LlamaModel, engine: EngineConfig, max_seq_len: int, registry: Registry,
               hooks_for=lambda kv_cache: ()) -> BuiltArm:
-    """Instantiate the arm's plugins around `model` (weights shared between arms)."""
+    """Instantiate the arm's plugins around `model` (weights shared between arms), in the order
+    BuildContext documents: variant, kv_cache, attention, decoding, scheduler."""
     def make(slot: Slot, ctx: BuildContext) -> Plugin:
-        return registry.get(slot, arm.plugins[slot].name)(arm.plugins[slot], ctx)
+        config = arm.plugins[slot]
+        cls = registry.get(slot, config.name)
+        try:
+            return cls(config, ctx)
+        except (ValueError, PluginError):
+            raise
+        except Exception as err:
+            raise PluginError(f"{slot.value}={config.name}", "__init__", f"{type(err).__name__}: {err}") from err
 
-    ctx = BuildContext(model, KVSpec.of(model, engine, max_seq_len), engine)
-    variant: ModelVariant = make(Slot.MODEL, ctx)
+    variant: ModelVariant = make(Slot.MODEL, BuildContext(model, KVSpec.of(model, engine, max_seq_len), engine))
     model = variant.apply(model)
     ctx = BuildContext(model, KVSpec.of(model, engine, max_seq_len), engine)
     kv_cache: KVCache = make(Slot.KV_CACHE, ctx)
-    ctx.kv_cache = kv_cache
+    ctx._kv_cache = kv_cache
     attention: Attention = make(Slot.ATTENTION, ctx)
-    scheduler: Scheduler = make(Slot.SCHEDULER, ctx)
+    ctx._attention = attention
+
+    def model_session(draft: LlamaModel) -> ModelRunSession:
+        draft_ctx = BuildContext(draft, KVSpec.of(draft, engine, max_seq_len), engine)
+        return ModelRunSession(draft, make(Slot.KV_CACHE, draft_ctx), attention)
+
+    ctx._model_session = model_session
     decoding: Decoding = make(Slot.DECODING, ctx)
-    engine_ = Engine(ModelRunner(model, kv_cache, attention), scheduler, decoding, hooks_for(kv_cache))
+    ctx.num_lookahead_tokens = decoding.num_lookahead_tokens
+    scheduler: Scheduler = make(Slot.SCHEDULER, ctx)
+    runner = ModelRunner(model, kv_cache, attention, decoding_name=str(decoding))
     plugins = {Slot.MODEL: variant, Slot.KV_CACHE: kv_cache, Slot.ATTENTION: attention,
                Slot.SCHEDULER: scheduler, Slot.DECODING: decoding}
-    return BuiltArm(engine_, plugins)
+    return BuiltArm(Engine(runner, scheduler, decoding, hooks_for(kv_cache)), plugins)

@@ -1,53 +1,135 @@
-"""The engine loop: admit arrivals, let the scheduler pick a batch, decode it, retire what finished."""
+"""The engine loop: admit arrivals, let the scheduler pick a batch, decode it, commit, retire.
+
+The engine is the one place a step's outcome is committed: each sequence's emitted tokens and
+computed count (Sequence.advance) and the tokens its cache keeps (KVCache.commit). It checks the
+plugins' side of the contract as it goes, so that a broken plugin is a PluginError naming it, never
+a silently wrong measurement: every batch (the scheduler's), every emission (the decoding's), and
+after a run that every request finished and every plugin gave back what it held.
+"""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Sequence as Seq
 
-from ablate.measure import device as dev
-from ablate.api.step import Batch
+from ablate.api.plugin import PluginError
+from ablate.api.sequence import Request, Sequence, Status
 from ablate.api.slots import Decoding, Scheduler
-from ablate.measure.recorder import StepHook
-from ablate.api.sequence import Request, Sequence
+from ablate.api.step import Batch
 from ablate.engine.runner import ModelRunner
+from ablate.measure import device as dev
+from ablate.measure.recorder import StepHook
+
+MAX_IDLE_WAIT_S = 3600.0    # an arrival further away than this is a malformed workload, not a wait
 
 
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, decoding: Decoding,
                  hooks: Iterable[StepHook] = ()) -> None:
         self.runner = runner
+        self.kv_cache = runner.kv_cache
         self.scheduler = scheduler
         self.decoding = decoding
         self.hooks = list(hooks)
         self.device = runner.device
 
+    # -- one step ----------------------------------------------------------------------------------
     def step(self, batch: Batch) -> list[Sequence]:
-        """Run one batch; returns the sequences that finished."""
+        """Run one batch; returns the sequences that finished in it."""
+        batch = self.checked(batch)
         start = dev.now(self.device)
         for hook in self.hooks:
             hook.on_step_start(batch, start)
-        emitted = self.decoding.step(self.runner, batch)
+        try:
+            emitted = self.decoding.step(self.runner, batch)
+        except PluginError:
+            raise
+        except Exception as err:
+            raise PluginError(self.decoding, "step", f"{type(err).__name__}: {err}") from err
         end = dev.now(self.device)
-        kept = {}
-        for seq in batch.seqs:
-            if seq.seq_id in emitted:
-                kept[seq.seq_id] = seq.append(emitted[seq.seq_id])
+        kept = self.commit(batch, emitted)
         for hook in self.hooks:
             hook.on_step_end(batch, kept, end)
-        finished = self.scheduler.finish_step(batch, kept)
+        self.scheduler.finish_step(batch)
+        finished = [seq for seq in batch.seqs if seq.seq_id in kept and seq.is_finished]
         for seq in finished:
             for hook in self.hooks:
                 hook.on_finish(seq, end)
         return finished
 
+    def checked(self, batch: Batch) -> Batch:
+        """The scheduler's batch, checked, with the draft room the cache holds beyond its new tokens."""
+        sched = self.scheduler
+        if not batch.seqs:
+            raise PluginError(sched, "next_batch", "returned an empty batch (return None when nothing can run)")
+        if len(batch) > sched.max_num_seqs:
+            raise PluginError(sched, "next_batch", f"a batch of {len(batch)} sequences exceeds "
+                              f"engine.max_num_seqs={sched.max_num_seqs}")
+        if batch.num_tokens > sched.max_num_batched_tokens:
+            raise PluginError(sched, "next_batch", f"a batch of {batch.num_tokens} tokens exceeds "
+                              f"engine.max_num_batched_tokens={sched.max_num_batched_tokens}")
+        if len({s.seq_id for s in batch.seqs}) != len(batch):
+            raise PluginError(sched, "next_batch", "a sequence appears twice in one batch")
+        if self.kv_cache.num_seqs_admitted() > sched.max_num_seqs:
+            raise PluginError(sched, "next_batch", f"{self.kv_cache.num_seqs_admitted()} sequences hold room, "
+                              f"more than engine.max_num_seqs={sched.max_num_seqs}")
+        lookahead = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.status is not Status.RUNNING:
+                raise PluginError(sched, "next_batch", f"sequence {seq.seq_id} is {seq.status.value}, not running")
+            need = seq.num_computed_tokens + n
+            if n < 1 or need > seq.num_tokens:
+                raise PluginError(sched, "next_batch", f"sequence {seq.seq_id} feeds {n} new tokens but has "
+                                  f"{seq.num_tokens - seq.num_computed_tokens} to feed")
+            room = self.kv_cache.room(seq)
+            if room < need:
+                raise PluginError(sched, "next_batch", f"sequence {seq.seq_id} feeds up to token {need} but holds "
+                                  f"room for {room}: call grow() (or admit()) before batching it")
+            lookahead.append(room - need)
+        return dataclasses.replace(batch, num_lookahead_tokens=lookahead)
+
+    def commit(self, batch: Batch, emitted: dict[int, list[int]]) -> dict[int, list[int]]:
+        """Apply the step: each sequence's new tokens and computed count, then what its cache keeps.
+        Returns the tokens each emitting sequence kept (a stop token or the length limit cuts the rest)."""
+        if not isinstance(emitted, dict):
+            raise PluginError(self.decoding, "step", f"returned {type(emitted).__name__}, expected a dict "
+                              "seq_id -> emitted tokens")
+        emitting = {seq.seq_id for seq, emits in zip(batch.seqs, batch.emits) if emits}
+        if set(emitted) != emitting:
+            missing, extra = sorted(emitting - set(emitted)), sorted(set(emitted) - emitting)
+            raise PluginError(self.decoding, "step", f"must emit for exactly the sequences whose step reaches their "
+                              f"last token (batch.emits); missing {missing}, unexpected {extra}")
+        kept: dict[int, list[int]] = {}
+        fed = self.runner.fed_drafts
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            tokens = emitted.get(seq.seq_id)
+            if tokens is not None:
+                drafts = fed.get(seq.seq_id, [])
+                if not tokens or tokens[:-1] != drafts[:len(tokens) - 1]:
+                    raise PluginError(self.decoding, "step", f"sequence {seq.seq_id} emitted {tokens} after feeding "
+                                      f"drafts {drafts}: emit one token or more, all but the last being fed drafts, in order")
+                kept[seq.seq_id] = seq.advance(n, tokens)
+            else:
+                seq.advance(n, [])
+            self.kv_cache.commit(seq, seq.num_computed_tokens)
+        self.runner.fed_drafts = {}
+        return kept
+
+    # -- a whole workload --------------------------------------------------------------------------
     def run(self, requests: Seq[Request]) -> list[Sequence]:
         """Serve the requests, each arriving at its arrival_time after the start (real time).
 
-        Returns every sequence, finished, in request order.
+        Returns every sequence, in request order, all finished; raises PluginError when a plugin
+        lost a request, stalled, or kept room after the run.
         """
         pending = sorted(requests, key=lambda r: r.arrival_time)
+        if pending and pending[-1].arrival_time > MAX_IDLE_WAIT_S:
+            raise ValueError(f"request {pending[-1].request_id} arrives {pending[-1].arrival_time:.0f} s after the "
+                             f"start (more than {MAX_IDLE_WAIT_S:.0f} s): are its arrival times absolute (Unix "
+                             "time)? They are seconds after the workload starts")
         seqs: list[Sequence] = []
         t0 = dev.now(self.device)
+        steps_without_output, patience = 0, self._patience(requests)
         while pending or self.scheduler.has_unfinished():
             elapsed = time.perf_counter() - t0
             while pending and pending[0].arrival_time <= elapsed:
@@ -58,13 +140,54 @@ class Engine:
                     hook.on_arrival(seq, t0 + seq.request.arrival_time)
             batch = self.scheduler.next_batch()
             if batch is not None:
+                before = sum(s.num_output_tokens for s in batch.seqs)
                 self.step(batch)
+                progressed = sum(s.num_output_tokens for s in batch.seqs) > before
+                steps_without_output = 0 if progressed else steps_without_output + 1
+                if steps_without_output > patience:
+                    raise PluginError(self.scheduler, "next_batch", f"{patience} steps in a row emitted no token: "
+                                      "sequences are preempted or fed forever without progress")
             elif pending:     # idle until the next request arrives
                 time.sleep(max(0.0, pending[0].arrival_time - (time.perf_counter() - t0)))
             else:
-                stuck = [s.seq_id for s in seqs if not s.is_finished]
-                raise RuntimeError(
-                    f"sequences {stuck} can never run: the KV cache cannot admit them "
-                    "(a sequence longer than the KV budget allows?)"
-                )
+                raise self._stalled([s for s in seqs if not s.is_finished])
+        self._check_after_run(seqs)
         return sorted(seqs, key=lambda s: s.seq_id)
+
+    @staticmethod
+    def _patience(requests: Seq[Request]) -> int:
+        """Steps without output before a run is called stuck: more than prefilling every prompt
+        one token a step would take."""
+        return 2 * sum(len(r.prompt_token_ids) + r.max_new_tokens for r in requests) + 100
+
+    def _stalled(self, stuck: list[Sequence]) -> PluginError:
+        """Why nothing runs although sequences wait: the cache cannot hold them, or the scheduler."""
+        ids = [s.seq_id for s in stuck]
+        if not stuck:
+            return PluginError(self.scheduler, "has_unfinished", "says sequences remain but every one has finished")
+        if self.kv_cache.num_seqs_admitted() == 0:
+            probe = stuck[0]
+            if probe.status is Status.WAITING and self.kv_cache.allocate(probe, probe.num_tokens):
+                self.kv_cache.release(probe)
+                return PluginError(self.scheduler, "next_batch", f"returns nothing while sequences {ids} wait and "
+                                   f"the empty KV cache ({self.kv_cache}) has room for sequence {probe.seq_id}")
+            return PluginError(self.kv_cache, "reserve", f"cannot hold sequence {probe.seq_id} ({probe.num_tokens} "
+                               f"tokens, up to {probe.max_num_tokens}) even when it holds no other sequence: "
+                               "raise the KV budget, or free() does not give back what a sequence held")
+        return PluginError(self.scheduler, "next_batch", f"returns nothing while sequences {ids} wait and "
+                           f"{self.kv_cache.num_seqs_admitted()} sequences hold room")
+
+    def _check_after_run(self, seqs: list[Sequence]) -> None:
+        unfinished = [s.seq_id for s in seqs if not s.is_finished]
+        if unfinished:
+            raise PluginError(self.scheduler, "has_unfinished", f"returned False while sequences {unfinished} never "
+                              "finished: a scheduler must keep every request it was given until it finishes")
+        if self.scheduler.has_unfinished():
+            raise PluginError(self.scheduler, "has_unfinished", "still True after every sequence finished")
+        cache = self.kv_cache
+        if cache.num_seqs_admitted() or cache.room_holders():
+            raise PluginError(cache, "release", f"after the run it still holds {cache.num_seqs_admitted()} sequences "
+                              f"(room held for {sorted(cache.room_holders())}): finished sequences must be released")
+        if cache.bytes_used():
+            raise PluginError(cache, "bytes_used", f"reports {cache.bytes_used()} bytes used after every sequence "
+                              "was released")

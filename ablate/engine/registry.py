@@ -11,6 +11,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from importlib.metadata import EntryPoint, entry_points
 
 from ablate.api.plugin import Plugin, PluginConfig, Slot
@@ -140,6 +141,11 @@ def discover(blocked: tuple[str, ...] = ()) -> Registry:
             seen[key] = info
         infos.append(info)
     return Registry(infos)
+
+
+def conf_dir() -> Path:
+    """The Hydra config shipped with the package (ablate/conf: the repository's conf/)."""
+    return Path(__file__).resolve().parents[1] / "conf"
 
 
 @cache

@@ -1,42 +1,49 @@
-"""Execution: turn a Batch into packed tensors, run the model through the cache and attention slots."""
+"""Execution: turn a Batch into packed tensors and run the model through the cache and attention slots.
+
+The runner is what Decoding.step receives as its Executor. It changes no Sequence: it reads how
+far each one is computed and feeds what comes next.
+"""
 from __future__ import annotations
 
 import torch
 
-from ablate.api.step import Batch, StepInputs
+from ablate.api.plugin import PluginError
 from ablate.api.slots import Attention, KVCache
-from ablate.model.llama import Forward, LlamaModel
+from ablate.api.step import Batch, StepInputs, StepLogits
+from ablate.model.forward import Forward
+from ablate.model.llama import LlamaModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, attention: Attention) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, attention: Attention, decoding_name: str = "decoding") -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention
         self.device = next(model.parameters()).device
+        self.decoding_name = decoding_name          # who passes draft tokens, for error messages
+        self.fed_drafts: dict[int, list[int]] = {}  # seq_id -> draft tokens fed by the last forward
 
-    def inputs(self, batch: Batch, extra_tokens: dict[int, list[int]] | None = None) -> tuple[StepInputs, list[int]]:
+    def inputs(self, batch: Batch, draft_tokens: dict[int, list[int]] | None = None) -> tuple[StepInputs, list[int]]:
         """Pack the batch. Returns the step's inputs and, per sequence, how many logits rows it gets.
 
-        A sequence feeds tokens[start : computed + n] (+ `extra_tokens`, e.g. draft tokens to verify),
-        where start = computed with a cache that keeps K/V and 0 without one (recompute the prefix).
-        It gets logits for its last 1 + len(extra) positions once its whole known prefix is in.
+        A sequence feeds tokens[start : computed + n] + drafts, where start = computed with a cache
+        that keeps K/V and 0 without one (recompute the prefix). It gets logits for its last
+        1 + len(drafts) positions once its whole known prefix is in (batch.emits).
         """
-        extra_tokens = extra_tokens or {}
+        draft_tokens = draft_tokens or {}
         ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, query_starts, logits_rows, logits_indices = [], [], [0], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n, emits in zip(batch.seqs, batch.num_new_tokens, batch.emits):
             start = seq.num_computed_tokens if self.kv_cache.keeps_kv else 0
-            end = seq.num_computed_tokens + n
-            extra = extra_tokens.get(seq.seq_id, [])
-            tokens = seq.token_ids[start:end] + extra
+            drafts = draft_tokens.get(seq.seq_id, [])
+            tokens = seq.token_ids[start:seq.num_computed_tokens + n] + drafts
             ids += tokens
             positions += range(start, start + len(tokens))
             query_lens.append(len(tokens))
             context_lens.append(start + len(tokens))
             query_starts.append(query_starts[-1] + len(tokens))
-            rows = 1 + len(extra) if end == seq.num_tokens else 0
+            rows = 1 + len(drafts) if emits else 0
             logits_rows.append(rows)
             logits_indices += range(query_starts[-1] - rows, query_starts[-1])
         dev = self.device
@@ -48,21 +55,37 @@ class ModelRunner:
             context_lens=context_lens,
             query_starts=query_starts,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             query_starts_t=torch.tensor(query_starts, dtype=torch.int32, device=dev),
         )
         return step, logits_rows
 
-    def forward(self, batch: Batch, extra_tokens: dict[int, list[int]] | None = None) -> tuple[torch.Tensor, list[int]]:
-        """Run one step. Returns logits (N, V) fp32 and the rows each sequence owns, in batch order.
+    def check_drafts(self, batch: Batch, draft_tokens: dict[int, list[int]]) -> None:
+        index = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
+        for seq_id, drafts in draft_tokens.items():
+            i = index.get(seq_id)
+            if i is None:
+                raise PluginError(self.decoding_name, "step", f"draft tokens for sequence {seq_id}, which is not in the batch")
+            if drafts and not batch.emits[i]:
+                raise PluginError(self.decoding_name, "step", f"draft tokens for sequence {seq_id} in the middle of "
+                                  "its prompt: drafts follow a sequence's last token (batch.emits)")
+            if len(drafts) > batch.num_lookahead_tokens[i]:
+                raise PluginError(self.decoding_name, "step", f"{len(drafts)} draft tokens for sequence {seq_id} but "
+                                  f"the scheduler reserved room for {batch.num_lookahead_tokens[i]} "
+                                  "(batch.num_lookahead_tokens)")
 
-        Afterwards each sequence counts its fed tokens (and any extra ones) as computed; a caller
-        that rejects extra tokens rolls both the sequence and the cache back.
-        """
-        step, rows = self.inputs(batch, extra_tokens)
-        self.kv_cache.prepare(step)
+    def forward(self, batch: Batch, draft_tokens: dict[int, list[int]] | None = None) -> StepLogits:
+        """Run one step (see ablate.api.Executor.forward). Returns logits (N, V) fp32 and the rows each
+        sequence owns, in batch order."""
+        draft_tokens = {k: v for k, v in (draft_tokens or {}).items() if v}
+        self.check_drafts(batch, draft_tokens)
+        self.fed_drafts = draft_tokens
+        step, rows = self.inputs(batch, draft_tokens)
+        try:
+            step = self.kv_cache.begin_step(step)
+        except PluginError:
+            raise
+        except Exception as err:
+            raise PluginError(self.kv_cache, "prepare", f"{type(err).__name__}: {err}") from err
         hidden = self.model(Forward(step, self.kv_cache, self.attention))        # (T, d)
         logits = self.model.logits(hidden.index_select(0, step.logits_indices))  # (N, V)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n + len((extra_tokens or {}).get(seq.seq_id, []))
-        return logits, rows
+        return StepLogits(logits, rows)

@@ -17,21 +17,10 @@ requires set (paged's kv_cache=paged over kv_cache=contiguous). The arms:
 
 Roles that give the same set share one arm. A set that cannot run is kept in the plan, skipped with
 the reason: two techniques, neither requiring the other, that set one slot differently, or plugins
-that refuse each other (ablate.api.plugin.check_compatible).
+that refuse each other (ablate.engine.arm.check_compatible).
 
-Contributions, per metric m and round r (every arm runs once per round, interleaved, so arms of one
-round saw the same machine), as with / without ratios, their median and bootstrap 95% CI over rounds
-(ablate.analysis.stats.ratio_summary, as summarise_arms does for speedups):
-
-  add-one-in of t      m(+t)_r / m(t's requirements)_r          (the baseline when it requires none)
-  leave-one-out of t   m(full)_r / m(-t)_r
-  interaction of t     leave-one-out / add-one-in of t's unit, per round: 1 when t's effect does not
-                       depend on the other techniques. t interacts when the CI excludes 1 and the
-                       median differs from 1 by more than `interaction_tolerance` (a relative change).
-  pair a x b           m(A|B)_r m(A&B)_r / (m(A)_r m(B)_r), A and B the closures of a and b: the
-                       2x2 factorial interaction (1: independent, multiplicative effects); judged by
-                       the same rule. Nested pairs (b requires a) have no such square and are not judged.
-                       A pair is reported whenever its four arms were measured, `pairs: true` or not.
+Contributions (what each technique buys, with CIs, and their interactions) are computed from
+the measured arms by ablate.analysis.contributions.
 """
 from __future__ import annotations
 
@@ -40,27 +29,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
-from ablate.engine.arm import BASELINE, Arm, resolve_arm
-from ablate.api.plugin import IncompatiblePlugins, PluginConfig, Slot
+from ablate.engine.arm import BASELINE, MODEL_KEY, Arm, IncompatiblePlugins, resolve_arm
+from ablate.api.plugin import PluginConfig, Slot
 from ablate.engine.registry import Registry
-from ablate.analysis.stats import ratio_summary
 
-MODEL_KEY = "model"       # an override key that sets model fields rather than a slot's plugin
 BASELINE_ARM = "baseline"
 FULL_ARM = "full"
 ARMS_TABLE = "ablation_arms"   # results table: every planned arm, measured or skipped with the reason
-
-# the metrics a contribution is reported for: column of runs.csv -> (label, higher is better)
-METRICS: dict[str, tuple[str, bool]] = {
-    "output_throughput_tok_s": ("output throughput", True),
-    "ttft_p99_ms": ("TTFT p99", False),
-    "tpot_p99_ms": ("TPOT p99", False),
-    "kv_reserved_peak_bytes": ("peak KV bytes", False),
-}
-
 
 @dataclass
 class Technique:
@@ -226,13 +203,13 @@ def plan(cfg: AblationConfig) -> list[PlannedArm]:
     for t in cfg.names:    # what add-one-in divides by, and the add-one-in of t's unit the interaction needs
         unit = cfg.closure(cfg.unit(t))
         for techniques in (cfg.requirements(t), unit, unit - cfg.unit(t)):
-            wanted.append((_set_name(cfg, techniques), techniques, "reference"))
+            wanted.append((set_name(cfg, techniques), techniques, "reference"))
     if cfg.pairs:
         for a, b in itertools.combinations(cfg.names, 2):
             pa, pb = cfg.closure({a}), cfg.closure({b})
             if not (pa <= pb or pb <= pa):
-                wanted += [(_set_name(cfg, pa | pb), pa | pb, f"pair {a} x {b}"),
-                           (_set_name(cfg, pa & pb), pa & pb, "reference")]
+                wanted += [(set_name(cfg, pa | pb), pa | pb, f"pair {a} x {b}"),
+                           (set_name(cfg, pa & pb), pa & pb, "reference")]
     arms: dict[frozenset[str], PlannedArm] = {}
     for name, techniques, role in wanted:
         arm = arms.setdefault(techniques, PlannedArm(name, techniques))
@@ -243,18 +220,17 @@ def plan(cfg: AblationConfig) -> list[PlannedArm]:
     return list(arms.values())
 
 
-def _set_name(cfg: AblationConfig, techniques: frozenset[str]) -> str:
+def set_name(cfg: AblationConfig, techniques: frozenset[str]) -> str:
     return "+".join(["", *cfg.ordered(techniques)]) if techniques else BASELINE_ARM
 
 
-def plan_arms(raw: dict[str, Any], plugins: dict[Slot, PluginConfig], registry: Registry
+def plan_arms(cfg: AblationConfig, plugins: dict[Slot, PluginConfig], registry: Registry
               ) -> tuple[list[Arm], list[PlannedArm]]:
     """The arms to measure over the composed slots, and the whole plan (skipped arms with their reason).
 
     The composition must be the core baselines (their options may differ): what a slot holds in
     every arm is not ablated, so a technique has to set it instead.
     """
-    cfg = parse_ablation(raw)
     fixed = [f"{s.value}={c.name}" for s, c in plugins.items() if c.name != BASELINE[s]]
     if fixed:
         raise ValueError(f"an ablation measures against the core baselines, but {' '.join(fixed)} is composed "
@@ -268,117 +244,9 @@ def plan_arms(raw: dict[str, Any], plugins: dict[Slot, PluginConfig], registry: 
     return arms, planned
 
 
-def plan_table(raw: dict[str, Any], plugins: dict[Slot, PluginConfig], registry: Registry) -> pd.DataFrame:
-    """The whole plan as the results store it (ARMS_TABLE): see arm_table."""
-    arms, planned = plan_arms(raw, plugins, registry)
-    return arm_table(planned, arms)
-
-
 def arm_table(planned: list[PlannedArm], arms: list[Arm]) -> pd.DataFrame:
     """One row per planned arm: its techniques, roles, plugins, and measured or skipped with why."""
     labels = {a.name: a.label() for a in arms}
     return pd.DataFrame([{"arm": p.name, "techniques": "+".join(sorted(p.techniques)), "roles": "; ".join(p.roles),
                           "label": labels.get(p.name, ""), "status": "skipped" if p.skipped else "measured",
                           "reason": p.skipped} for p in planned])
-
-
-# -- contributions -------------------------------------------------------------------------------------
-
-def per_round(runs: pd.DataFrame, arm: str, metric: str) -> pd.Series:
-    """The metric of one arm, indexed by round (repeat); empty for an arm that never ran."""
-    frame = runs[runs["arm"] == arm]
-    if metric not in frame:
-        return pd.Series(dtype=float)
-    return frame.set_index("repeat")[metric].astype(float)
-
-
-def paired_ratios(runs: pd.DataFrame, numerator: str, denominator: str, metric: str) -> pd.Series:
-    """numerator / denominator within each round; NaN where either is missing or the denominator is 0."""
-    num, den = per_round(runs, numerator, metric), per_round(runs, denominator, metric)
-    rounds = num.index.union(den.index)
-    num, den = num.reindex(rounds), den.reindex(rounds)
-    return num / den.where(den != 0)
-
-
-def summarise_ratios(ratios: pd.Series) -> dict[str, float]:
-    values = ratios.to_numpy(float)
-    values = values[np.isfinite(values)]
-    if values.size == 0:
-        return {"median": np.nan, "ci_low": np.nan, "ci_high": np.nan, "rounds": 0}
-    summary = ratio_summary(values)
-    return {"median": summary["median"], "ci_low": summary["ci_low"], "ci_high": summary["ci_high"],
-            "rounds": summary["n"]}
-
-
-def interacts(median: float, ci_low: float, ci_high: float, tolerance: float) -> bool:
-    """Not independent: the CI excludes 1 and the median departs from 1 by more than `tolerance`."""
-    if not np.isfinite([median, ci_low, ci_high]).all():
-        return False
-    return bool((ci_low > 1 or ci_high < 1) and abs(np.log(median)) > np.log1p(tolerance))
-
-
-def contributions(runs: pd.DataFrame, arms: pd.DataFrame, cfg: AblationConfig) -> pd.DataFrame:
-    """One row per (technique or pair) x metric x kind: with / without ratio, median [95% CI], rounds,
-    whether it interacts, and a note (what leaving out also removes, skipped arms and why).
-
-    `arms` is the arm table (arm_table): which set of techniques each arm is, and why one was skipped.
-    """
-    by_set = {frozenset(t for t in str(row.techniques).split("+") if t and t != "nan"): row
-              for row in arms.fillna("").itertuples()}
-    everything = frozenset(cfg.names)
-
-    def ratio(with_set: frozenset[str], without_set: frozenset[str], metric: str) -> tuple[pd.Series, list[str]]:
-        why = [f"{by_set[s].arm} skipped: {by_set[s].reason}" for s in (with_set, without_set)
-               if s in by_set and by_set[s].status == "skipped"]
-        why += [f"{_set_name(cfg, s)} not planned" for s in (with_set, without_set) if s not in by_set]
-        if why:
-            return pd.Series(dtype=float), why
-        return paired_ratios(runs, by_set[with_set].arm, by_set[without_set].arm, metric), []
-
-    rows = []
-
-    def add(technique: str, metric: str, kind: str, with_set, without_set, ratios: pd.Series, notes: list[str],
-            judged: bool = False) -> None:
-        summary = summarise_ratios(ratios)
-        rows.append({"technique": technique, "metric": metric, "kind": kind,
-                     "with_arm": _arm_name(by_set, cfg, with_set), "without_arm": _arm_name(by_set, cfg, without_set),
-                     **summary,
-                     "interacts": judged and interacts(summary["median"], summary["ci_low"], summary["ci_high"],
-                                                       cfg.interaction_tolerance),
-                     "note": "; ".join(notes)})
-
-    for metric in METRICS:
-        ratios, why = ratio(everything, frozenset(), metric)
-        add("all", metric, "full_vs_baseline", everything, frozenset(), ratios, why)
-        for t in cfg.names:
-            unit = cfg.unit(t)
-            also = sorted(unit - {t})
-            add_with, add_without = cfg.closure({t}), cfg.requirements(t)
-            add_ratios, add_why = ratio(add_with, add_without, metric)
-            add(t, metric, "add_one_in", add_with, add_without, add_ratios,
-                add_why + ([f"over {'+'.join(cfg.ordered(add_without))} (what it requires)"] if add_without else []))
-            loo_ratios, loo_why = ratio(everything, everything - unit, metric)
-            add(t, metric, "leave_one_out", everything, everything - unit, loo_ratios,
-                loo_why + ([f"also removes {', '.join(also)} (requires {t})"] if also else []))
-            # the interaction compares like with like: adding and removing the same unit
-            unit_with = cfg.closure(unit)
-            unit_ratios, unit_why = ratio(unit_with, unit_with - unit, metric)
-            why = loo_why + unit_why
-            notes = why + ([f"compares adding and removing {'+'.join(cfg.ordered(unit))}"] if also else [])
-            add(t, metric, "interaction", everything, everything - unit,
-                pd.Series(dtype=float) if why else loo_ratios / unit_ratios, notes, judged=True)
-        for a, b in itertools.combinations(cfg.names, 2):
-            pa, pb = cfg.closure({a}), cfg.closure({b})
-            if pa <= pb or pb <= pa:
-                continue       # nested: b requires a (or the reverse), no 2x2 square to compare
-            sets = (pa | pb, pa & pb, pa, pb)
-            if not all(s in by_set and by_set[s].status == "measured" for s in sets):
-                continue       # not measured (experiment.ablation.pairs=true measures every pair)
-            both, neither, only_a, only_b = (per_round(runs, by_set[s].arm, metric) for s in sets)
-            ratios = both * neither / (only_a * only_b).where(only_a * only_b != 0)
-            add(f"{a} x {b}", metric, "pair", pa | pb, pa & pb, ratios, [], judged=True)
-    return pd.DataFrame(rows)
-
-
-def _arm_name(by_set: dict[frozenset[str], Any], cfg: AblationConfig, techniques: frozenset[str]) -> str:
-    return by_set[techniques].arm if techniques in by_set else _set_name(cfg, techniques)

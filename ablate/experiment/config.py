@@ -1,41 +1,105 @@
-"""The whole run's config as plain dataclasses: the Hydra schema, and what the engine receives.
+"""The whole run's config as typed dataclasses, built once from the composed dict.
 
-Hydra composes YAML and the plugins' config dataclasses into this shape; `to_run_config` turns the
-composed dict back into dataclasses, which validates every field (in `__post_init__`).
+Hydra composes YAML and the plugins' config dataclasses into a plain dict; `to_run_config` turns
+it into a RunConfig, validating every field (each dataclass's __post_init__): the plugins of each
+slot, the experiment with its arms (ArmSpec) and ablation (AblationConfig) parsed, the workload,
+the engine, W&B and the cost calculator. Nothing downstream parses the dict again; the raw dict is
+kept only to hash the results folder and to store as config.json.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ablate.analysis.costs import CostsConfig
 from ablate.api.context import EngineConfig
-from ablate.experiment.run import ExperimentConfig
-from ablate.model.config import ModelConfig
 from ablate.api.plugin import PluginConfig, Slot
+from ablate.engine.arm import ArmSpec
 from ablate.engine.registry import Registry
+from ablate.experiment.ablation import AblationConfig, parse_ablation
+from ablate.model.config import ModelConfig
 from ablate.report.wandb_log import WandbConfig
 from ablate.workload.requests import WorkloadConfig
 
 
 @dataclass
+class ExperimentConfig:
+    name: str = "default"
+    chapter: str = ""                     # e.g. ch08: tags the W&B run
+    # name -> {slot: plugin | {name, options}, model: {field: value}}; ArmSpec once built
+    arms: dict[str, ArmSpec] = field(default_factory=dict)
+    baseline: str = ""                    # the arm speedups are relative to; "" -> the first
+    repeats: int = 3
+    warmup: int = 1                       # warm-up runs per arm, a few tokens each (excluded)
+    grid: dict[str, list] = field(default_factory=dict)  # workload field -> values, one point each
+    recorder: bool = True                 # False: time the runs with no hooks at all
+    ttft_slo_ms: float | None = None      # goodput: requests meeting every SLO given
+    tpot_slo_ms: float | None = None
+    # CPU: count tensor bytes during each run (ablate.measure.memory), so that peak memory includes
+    # activations and attention's scores, not only weights + KV; every op then runs slower
+    track_memory: bool = False
+    kind: str = "engine"                  # engine: arms through the engine; costs: the cost calculator only
+                                          # (ablate/analysis/costs.py; no model is loaded, arms and grid are unused)
+    # techniques -> arms instead of `arms` (ablate/experiment/ablation.py): full, baseline, leave-one-out, add-one-in
+    ablation: AblationConfig | None = None
+
+    def __post_init__(self) -> None:
+        self.arms = {name: spec if isinstance(spec, ArmSpec) else ArmSpec.parse(f"experiment.arms.{name}", spec)
+                     for name, spec in (self.arms or {}).items()}
+        if isinstance(self.ablation, dict):
+            self.ablation = parse_ablation(self.ablation) if self.ablation else None
+        if self.kind not in ("engine", "costs"):
+            raise ValueError(f"experiment.kind must be 'engine' or 'costs', got {self.kind!r}")
+        if self.repeats < 1:
+            raise ValueError(f"experiment.repeats must be >= 1, got {self.repeats}")
+        if self.warmup < 0:
+            raise ValueError(f"experiment.warmup must be >= 0, got {self.warmup}")
+        for slo in ("ttft_slo_ms", "tpot_slo_ms"):
+            value = getattr(self, slo)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"experiment.{slo} must be a positive number of milliseconds, got {value}")
+        for key, values in self.grid.items():
+            if key not in WorkloadConfig.__dataclass_fields__:
+                raise ValueError(f"experiment.grid: {key!r} is not a workload field; fields are "
+                                 f"{', '.join(WorkloadConfig.__dataclass_fields__)}")
+            if not isinstance(values, (list, tuple)) or not values:
+                raise ValueError(f"experiment.grid.{key} must be a non-empty list of values")
+        if self.ablation is not None:
+            if self.arms:
+                raise ValueError("experiment.arms and experiment.ablation are both set: an ablation makes its own arms")
+            if self.grid:   # contributions compare arms on one workload
+                raise ValueError("experiment.ablation measures one workload: leave experiment.grid empty "
+                                 "(or sweep workload fields with -m)")
+            if not self.recorder or self.kind != "engine":
+                raise ValueError("experiment.ablation needs experiment.recorder=true and kind=engine: its "
+                                 "contributions are latency percentiles and KV bytes the recorder measures")
+
+
+@dataclass
 class RunConfig:
-    model: Any = None             # a ModelConfig preset (`model=smollm2-135m`)
-    variant: Any = None           # one plugin config per slot (`kv_cache=contiguous`)
-    kv_cache: Any = None
-    attention: Any = None
-    scheduler: Any = None
-    decoding: Any = None
+    plugins: dict[Slot, PluginConfig]     # one plugin config per slot (`kv_cache=contiguous`)
+    model: ModelConfig = field(default_factory=ModelConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    costs: CostsConfig | None = None      # experiment.kind=costs: the cost calculator's options
     device: str = "auto"          # auto | cpu | cuda | cuda:N
     threads: int = 0              # torch CPU threads; 0: torch's default
     peak_bandwidth: float = 0.0   # bytes/s for MBU and the roofline; 0: measured on this machine
     peak_flops: float = 0.0       # FLOP/s; 0: measured
     results_dir: str = "results"
     redo: bool = False            # re-run a config whose results already exist
+
+    def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: torch's default), got {self.threads}")
+        for name in ("peak_bandwidth", "peak_flops"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a number >= 0 (0: measured on this machine), got {value}")
 
 
 def build(cls: type, values: dict[str, Any] | None, where: str):
@@ -51,22 +115,24 @@ def build(cls: type, values: dict[str, Any] | None, where: str):
         raise ValueError(f"{where}: {err}") from err
 
 
-def to_run_config(raw: dict[str, Any], registry: Registry) -> tuple[RunConfig, dict[Slot, PluginConfig]]:
-    """The composed config (a plain dict) -> RunConfig with dataclass members, and the slots' plugins."""
+TOP_LEVEL = ("device", "threads", "peak_bandwidth", "peak_flops", "results_dir", "redo")
+
+
+def to_run_config(raw: dict[str, Any], registry: Registry) -> RunConfig:
+    """The composed config (a plain dict) -> RunConfig, every part validated."""
     plugins = {}
     for slot in Slot:
         node = dict(raw.get(slot.value) or {})
         if "name" not in node:
             raise ValueError(f"no plugin chosen for slot {slot.value}; choose one of {registry.choices(slot)}")
         plugins[slot] = registry.config(slot, node["name"], node)
-    cfg = RunConfig(
-        model=build(ModelConfig, raw.get("model"), "model"),
-        experiment=build(ExperimentConfig, raw.get("experiment"), "experiment"),
-        workload=build(WorkloadConfig, raw.get("workload"), "workload"),
-        engine=build(EngineConfig, raw.get("engine"), "engine"),
-        wandb=build(WandbConfig, raw.get("wandb"), "wandb"),
-        **{k: raw[k] for k in ("device", "threads", "peak_bandwidth", "peak_flops", "results_dir", "redo")
-           if k in raw},
-        **{slot.value: plugins[slot] for slot in Slot},
-    )
-    return cfg, plugins
+    return build(RunConfig, {
+        "plugins": plugins,
+        "model": build(ModelConfig, raw.get("model"), "model"),
+        "experiment": build(ExperimentConfig, raw.get("experiment"), "experiment"),
+        "workload": build(WorkloadConfig, raw.get("workload"), "workload"),
+        "engine": build(EngineConfig, raw.get("engine"), "engine"),
+        "wandb": build(WandbConfig, raw.get("wandb"), "wandb"),
+        "costs": build(CostsConfig, raw.get("costs"), "costs") if raw.get("costs") is not None else None,
+        **{k: raw[k] for k in TOP_LEVEL if k in raw},
+    }, "config")

@@ -11,42 +11,29 @@ from typing import Any
 
 import torch
 
+from ablate.checkpoints.loader import load_model
+from ablate.engine.arm import Arm
+from ablate.engine.registry import Registry
+from ablate.experiment.ablation import ARMS_TABLE
+from ablate.experiment.config import RunConfig, to_run_config
+from ablate.experiment.plan import make_plan
+from ablate.experiment.run import ExperimentResult, run_experiment
 from ablate.measure import device as dev
 from ablate.measure import hardware
-from ablate.checkpoints.loader import load_model
-from ablate.experiment.ablation import ARMS_TABLE, plan_arms, plan_table
-from ablate.report.ablation import wandb_extras
-from ablate.engine.arm import BASELINE, Arm, baseline_configs, resolve_arm
-from ablate.experiment.config import RunConfig, to_run_config
-from ablate.experiment.run import ExperimentResult, run_experiment
 from ablate.model.llama import LlamaModel
-from ablate.api.plugin import PluginConfig, Slot
-from ablate.engine.registry import Registry
+from ablate.report.ablation import wandb_extras
+from ablate.report.declared import FILE as DECLARATIONS_FILE
 from ablate.report.page import summary_table, write_report
-from ablate.results import RunFolder, environment
 from ablate.report.wandb_log import log_run, summary_metrics
+from ablate.results import RunFolder, environment
 
 # keys that change where or how results are written, not what is measured
 NOT_MEASURED = ("wandb", "redo", "results_dir")
 
 
-def make_arms(cfg: RunConfig, plugins: dict[Slot, PluginConfig], registry: Registry) -> list[Arm]:
-    """The experiment's arms over the composed slots; with none given: the baseline vs the composition."""
-    if cfg.experiment.ablation:    # techniques -> arms (ablate/ablation.py); skipped ones are not arms
-        return plan_arms(cfg.experiment.ablation, plugins, registry)[0]
-    if cfg.experiment.arms:
-        return [resolve_arm(name, spec, plugins, registry) for name, spec in cfg.experiment.arms.items()]
-    baseline = resolve_arm("baseline", {}, baseline_configs(registry), registry)
-    composed = resolve_arm("variant", {}, plugins, registry)
-    if all(c.name == BASELINE[s] for s, c in plugins.items()):
-        return [baseline]
-    composed.name = composed.label().replace(" ", ",")
-    return [baseline, composed]
-
-
 def run_job(raw: dict[str, Any], registry: Registry, swallow_errors: bool = False) -> RunFolder | None:
-    cfg, plugins = to_run_config(raw, registry)
-    arms = make_arms(cfg, plugins, registry)      # incompatible plugins are refused here, before loading
+    cfg = to_run_config(raw, registry)
+    plan = make_plan(cfg, registry)               # incompatible plugins are refused here, before loading
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = dev.resolve(cfg.device)
@@ -57,25 +44,24 @@ def run_job(raw: dict[str, Any], registry: Registry, swallow_errors: bool = Fals
         return folder
     folder.start(raw, environment(dev.describe(device)), redo=cfg.redo)
     print(f"results: {folder.path}")
-    if cfg.experiment.ablation:    # every planned arm, measured or skipped with the reason, for the report
-        plan = plan_table(cfg.experiment.ablation, plugins, registry)
-        folder.write_table(ARMS_TABLE, plan)
-        for row in plan[plan["status"] == "skipped"].itertuples():
+    if plan.ablation_arms is not None:    # every planned arm, measured or skipped with the reason, for the report
+        folder.write_table(ARMS_TABLE, plan.ablation_arms)
+        for row in plan.ablation_arms[plan.ablation_arms["status"] == "skipped"].itertuples():
             print(f"ablation: arm {row.arm} ({row.roles}) skipped: {row.reason}")
     try:
         if cfg.experiment.kind == "costs":    # analytic only (ch07): no model is loaded, no engine runs
-            from ablate.analysis.costs import run_costs_job
+            from ablate.experiment.costs_job import run_costs_job
             run_costs_job(cfg, raw, folder)
             return folder
         with dev.exclusive(device):
-            result = _run(cfg, arms, registry, device)
+            result = _run(cfg, plan.arms, registry, device)
     except Exception as err:
         folder.finish("failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
         if swallow_errors:   # a sweep goes on; this job is recorded as failed
             print(f"job failed, recorded in {folder.path / 'failed.json'}: {type(err).__name__}: {err}")
             return None
         raise
-    _store(cfg, raw, arms, result, folder)
+    _store(cfg, raw, plan.arms, result, folder)
     return folder
 
 
@@ -96,6 +82,7 @@ def _store(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Experim
     folder.write_table("runs", result.runs)
     folder.write_table("requests", result.requests)
     folder.write_table("summary", result.summary)
+    folder.write_text(DECLARATIONS_FILE, result.declared.to_json())
     notes = ["arms: " + "; ".join(f"{a.name} = {a.label()}" for a in arms),
              f"model {cfg.model.name} ({cfg.model.dtype}), {cfg.workload.num_requests} requests, "
              f"prompt {cfg.workload.prompt_len}, output {cfg.workload.output_len}, "
@@ -103,7 +90,7 @@ def _store(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Experim
              "speedup = baseline time / arm time per round, median [bootstrap 95% CI]; "
              "predicted = the analytic roofline's ratio"]
     report, figures = write_report(folder.path, result.summary, point_keys, cfg.experiment.name, notes,
-                                   result.runs)
+                                   result.runs, result.declared)
     print()
     print(summary_table(result.summary, point_keys).to_string(index=False))
     if result.samples:

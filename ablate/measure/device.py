@@ -5,11 +5,12 @@ import contextlib
 import fcntl
 import os
 import tempfile
-import time
 from collections.abc import Iterator
 
 import psutil
 import torch
+
+from ablate.api.clock import now, synchronize  # noqa: F401  (the engine's clock: re-exported)
 
 
 def resolve(name: str = "auto") -> torch.device:
@@ -20,17 +21,6 @@ def resolve(name: str = "auto") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={name!r} but no CUDA GPU is visible; use device=cpu or device=auto")
     return device
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work so that a clock read after it measures it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def now(device: torch.device) -> float:
-    synchronize(device)
-    return time.perf_counter()
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from ablate.api.context import BuildContext, EngineConfig
+from ablate.api.kv import KVSpec
+from ablate.api.sequence import Request, Sequence
+from ablate.api.slots import Attention
+from ablate.api.step import Batch
 from ablate.baselines.naive_attention import NaiveAttention, NaiveAttentionConfig
 from ablate.baselines.no_cache import NoKVCache, NoKVCacheConfig
-from ablate.api.step import Batch
-from ablate.api.context import BuildContext, EngineConfig, KVSpec
-from ablate.api.slots import Attention
-from ablate.model.llama import Forward, LlamaModel
-from ablate.api.sequence import Request, Sequence
 from ablate.engine.runner import ModelRunner
+from ablate.engine.teacher import teacher_forced_logits
+from ablate.model.forward import Forward
+from ablate.model.llama import LlamaModel
 
 
 @torch.inference_mode()
@@ -24,7 +27,7 @@ def sequence_logits(model: LlamaModel, token_ids: list[int], attention: Attentio
     runner = ModelRunner(model, cache, attention)
     seq = Sequence(Request(0, tuple(token_ids), max_new_tokens=1))
     step, _ = runner.inputs(Batch([seq], [len(token_ids)]))
-    cache.prepare(step)
+    step = cache.begin_step(step)
     hidden = model(Forward(step, cache, attention))      # (T, d)
     return model.logits(hidden)                          # (T, V)
 
@@ -52,7 +55,7 @@ def token_nlls(model: LlamaModel, token_ids: list[int], window: int = 512, strid
         logits = sequence_logits(model, token_ids[begin:end]).float()   # (end-begin, V): row r predicts begin+r+1
         first = max(scored_to, begin + 1)                                # new tokens: first .. end-1
         rows = logits[first - begin - 1:end - begin - 1]                  # (end-first, V)
-        targets = torch.tensor(token_ids[first:end]).unsqueeze(1)        # (end-first, 1)
+        targets = torch.tensor(token_ids[first:end], device=rows.device)[:, None]  # (end-first, 1)
         nll[first - 1:end - 1] = -torch.log_softmax(rows, dim=-1).gather(1, targets).squeeze(1)
         scored_to = end
         if end == n:
@@ -66,36 +69,14 @@ def perplexity(model: LlamaModel, token_ids: list[int], window: int = 512, strid
     return float(torch.exp(token_nlls(model, token_ids, window, stride).double().mean()))
 
 
-@torch.inference_mode()
 def runner_token_nlls(runner: ModelRunner, token_ids: list[int], num_prefill: int = 1) -> torch.Tensor:
     """-log p(x_i | x_0 .. x_{i-1}) for i = num_prefill .. N-1, fp32, (N - num_prefill,), as the
-    runner's model, KV cache and attention compute them.
-
-    Teacher forcing: the first `num_prefill` tokens go in as one prompt step, then every true
-    token in a step of its own, as decoding feeds the tokens it emits; each step's logits score
-    the token that comes next. So a cache that evicts, compresses or approximates acts on the
-    scored text exactly as it would on generated text (`token_nlls` scores the bare model instead).
-    """
-    n = len(token_ids)
-    if not 1 <= num_prefill < n:
-        raise ValueError(f"need 1 <= num_prefill < len(token_ids), got num_prefill={num_prefill} for {n} tokens")
-    cache = runner.kv_cache
-    seq = Sequence(Request(0, tuple(token_ids[:num_prefill]), max_new_tokens=n - num_prefill))
-    if not cache.can_admit(seq):
-        raise RuntimeError(f"kv_cache={cache.name} cannot admit a sequence to score")
-    cache.admit(seq)
-    scored: list[torch.Tensor] = []
-    try:
-        for i in range(num_prefill, n):                           # this step's logits predict token i
-            num_new = seq.num_tokens - seq.num_computed_tokens
-            if not cache.grow(seq, num_new):
-                raise RuntimeError(f"kv_cache={cache.name} has no room for token {i} of the scored text")
-            logits, _ = runner.forward(Batch([seq], [num_new]))   # (1, V)
-            scored.append(-torch.log_softmax(logits[-1].float(), dim=-1)[token_ids[i]])
-            seq.token_ids.append(token_ids[i])                    # the true token, not a sampled one
-    finally:
-        cache.release(seq)
-    return torch.stack(scored).cpu()
+    runner's model, KV cache and attention compute them, by teacher forcing (ablate.engine.teacher):
+    a cache that evicts, compresses or approximates acts on the scored text as on generated text
+    (`token_nlls` scores the bare model instead)."""
+    (logits,) = teacher_forced_logits(runner, [list(token_ids)], num_prefill)    # (N - num_prefill, V)
+    targets = torch.tensor(token_ids[num_prefill:], device=logits.device)[:, None]
+    return -torch.log_softmax(logits, dim=-1).gather(1, targets).squeeze(1).cpu()
 
 
 def runner_perplexity(runner: ModelRunner, token_ids: list[int], num_prefill: int = 1) -> float:

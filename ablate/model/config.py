@@ -9,6 +9,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from ablate.api.kv import kv_bytes_per_token
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -89,10 +91,6 @@ class ModelConfig:
         return DTYPES[self.dtype]
 
     @property
-    def q_per_kv(self) -> int:
-        return self.n_heads // self.n_kv_heads
-
-    @property
     def kv_cache_widths(self) -> tuple[int, int, int]:
         """What a KV cache stores per token and layer: (heads, K width, V width) per head.
 
@@ -101,6 +99,11 @@ class ModelConfig:
         if self.attention_kind == "mla":
             return 1, self.kv_latent_dim + self.rope_head_dim, 0
         return self.n_kv_heads, self.head_dim, self.head_dim
+
+    def kv_bytes_per_token(self, element_bytes: int | None = None) -> int:
+        """ablate.api.kv.kv_bytes_per_token for this model, in its dtype or `element_bytes` per element."""
+        heads, k_width, v_width = self.kv_cache_widths
+        return kv_bytes_per_token(self.n_layers, heads, k_width, v_width, element_bytes or self.torch_dtype.itemsize)
 
     def num_params(self, *, include_embeddings: bool = True) -> int:
         """Parameter count of the Llama-family decoder with this shape."""

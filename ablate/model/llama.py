@@ -1,13 +1,12 @@
 """A Llama-family decoder: RMSNorm, RoPE, SwiGLU, grouped KV heads.
 
 Tokens arrive packed (T, ...) across all sequences of a step; attention and the KV cache are the
-engine's slots, reached through `StepInputs` and the `Forward` context, so the same weights run under
+engine's slots, reached through the `Forward` of each step (ablate/model/forward.py), so the same weights run under
 every technique. Q/K/V and gate/up projections are fused (one matmul each, as in gpt-fast): at
 batch 1 the CPU is bandwidth-bound and every extra kernel call costs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,19 +15,11 @@ from torch import nn
 
 from ablate.model.config import ModelConfig
 from ablate.model.linear import Linear
+from ablate.model.mla import MultiHeadLatentAttention
+from ablate.model.rope import apply_rope, rotary_embedding
 
 if TYPE_CHECKING:
-    from ablate.api.step import StepInputs
-    from ablate.api.slots import Attention, KVCache
-
-
-@dataclass
-class Forward:
-    """The slots a forward pass goes through."""
-
-    step: StepInputs
-    kv_cache: KVCache
-    attention: Attention
+    from ablate.model.forward import Forward
 
 
 class RMSNorm(nn.Module):
@@ -42,51 +33,6 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:      # one fused kernel, the weight included
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
-
-
-def llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Tensor:
-    """Llama 3.1's RoPE scaling, as Hugging Face's `_compute_llama3_parameters`: with wavelength
-    w = 2 pi / f and L the original context, frequencies with w < L / high_freq_factor are kept,
-    those with w > L / low_freq_factor are divided by `factor`, and in between
-    f' = (1 - s) f / factor + s f with s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
-    wavelen = 2 * torch.pi / inv_freq
-    smooth = ((old_context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    """RoPE, "rotate-half" layout (as Hugging Face's Llama): dims i and i + D/2 rotate together.
-
-    x' = x cos(p w) + rotate_half(x) sin(p w), rotate_half(x1, x2) = (-x2, x1), w_i = base^(-2i/D).
-    """
-
-    def __init__(self, head_dim: int, max_seq_len: int, base: float,
-                 llama3_scaling: dict[str, float] | None = None,
-                 explicit_inv_freq: torch.Tensor | None = None) -> None:
-        super().__init__()
-        # tables on the CPU even inside a meta-device construction (moved with the model later)
-        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
-        if llama3_scaling:
-            inv_freq = llama3_scaled_inv_freq(inv_freq, llama3_scaling)
-        if explicit_inv_freq is not None:   # given frequencies (an MLA conversion keeps a subset of a model's)
-            inv_freq = explicit_inv_freq.to(torch.float64)
-        positions = torch.arange(max_seq_len, dtype=torch.float64, device="cpu")
-        angles = torch.outer(positions, inv_freq.cpu())                                           # (S, D/2)
-        angles = torch.cat((angles, angles), dim=-1)                                               # (S, D)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (T, 1, D) for this step's positions, computed once and shared by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (T, H, D); cos, sin (T, 1, D)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class SelfAttention(nn.Module):
@@ -105,8 +51,7 @@ class SelfAttention(nn.Module):
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv_heads, self.head_dim)
         q, k = apply_rope(qk, *rope).split((self.n_heads, self.n_kv_heads), dim=1)   # (T, H, D), (T, H_kv, D)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.n_kv_heads, self.head_dim)   # (T, H_kv, D)
-        fwd.kv_cache.write(self.layer, fwd.step, k, v)
-        out = fwd.attention(q, fwd.kv_cache.view(self.layer, fwd.step), fwd.step)  # (T, H, D)
+        out = fwd.attend(self.layer, q, fwd.store(self.layer, k, v))          # (T, H, D)
         return self.wo(out.reshape(t, self.q_size))
 
 
@@ -127,7 +72,6 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.attention_kind == "mla":
-            from ablate.model.mla import MultiHeadLatentAttention   # builds on this module's RoPE
             self.attn = MultiHeadLatentAttention(cfg, layer)
         else:
             self.attn = SelfAttention(cfg, layer)
@@ -137,12 +81,6 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, fwd)
         return x + self.mlp(self.mlp_norm(x))
-
-
-def rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
-    """RoPE over each head's dims (mha), or over the rotary key k_R only (mla: the latent has no position)."""
-    dims = cfg.rope_head_dim if cfg.attention_kind == "mla" else cfg.head_dim
-    return RotaryEmbedding(dims, cfg.max_seq_len, cfg.rope_base, cfg.rope_llama3_scaling)
 
 
 class LlamaModel(nn.Module):

@@ -49,11 +49,12 @@ from torch import nn
 from ablate.api.kv import KVView, PackedKV, PagedKV, PaddedKV
 from ablate.model.config import ModelConfig
 from ablate.model.linear import Linear
-from ablate.model.llama import apply_rope
+from ablate.model.rope import apply_rope
 
 if TYPE_CHECKING:
     from ablate.api.step import StepInputs
-    from ablate.model.llama import Forward, LlamaModel
+    from ablate.model.forward import Forward
+    from ablate.model.llama import LlamaModel
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -78,8 +79,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_r = apply_rope(q_r, *rope)                                         # (T, H, d_R)
         k_r = apply_rope(k_r.view(t, 1, dr), *rope)                          # (T, 1, d_R)
         rows = torch.cat((c.view(t, 1, dc), k_r), dim=-1)                    # (T, 1, d_c + d_R): what a token caches
-        fwd.kv_cache.write(self.layer, fwd.step, rows, rows[..., :0])       # nothing in V
-        view = fwd.kv_cache.view(self.layer, fwd.step)
+        view = fwd.store(self.layer, rows, rows[..., :0])                    # nothing in V
         if fwd.step.is_decode and self.absorb:
             out = self.absorbed(q_c, q_r, view, fwd)
         else:
@@ -97,7 +97,7 @@ class MultiHeadLatentAttention(nn.Module):
         w_uv = self.w_uv.weight.view(h, dh, dc)                               # (H, d_h, d_c)
         q_latent = torch.einsum("thd,hdc->thc", q_c, w_uk)                    # (T, H, d_c): W_UK,h^T q_h^C
         q = torch.cat((q_latent, q_r), dim=-1) * self.score_scale_fix(dc + dr)   # (T, H, d_c + d_R)
-        out = fwd.attention(q, rows_as_keys_and_values(view), fwd.step)      # (T, H, d_c + d_R)
+        out = fwd.attend(self.layer, q, rows_as_keys_and_values(view))       # (T, H, d_c + d_R)
         o_latent = out[..., :dc]                                              # (T, H, d_c): sum_t p_t c_t
         return torch.einsum("thc,hdc->thd", o_latent, w_uv)                   # (T, H, d_h): W_UV,h o_latent
 
@@ -112,7 +112,7 @@ class MultiHeadLatentAttention(nn.Module):
         k = torch.cat((k_c, k_r.expand(*lead, h, dr)), dim=-1)                # (..., H, d_h + d_R)
         v = F.pad(v, (0, dr))                                                 # (..., H, d_h + d_R), zeros past d_h
         q = torch.cat((q_c, q_r), dim=-1) * self.score_scale_fix(dh + dr)     # (T, H, d_h + d_R); the fix is 1
-        return fwd.attention(q, as_view(k, v), fwd.step)[..., :dh]           # (T, H, d_h)
+        return fwd.attend(self.layer, q, as_view(k, v))[..., :dh]           # (T, H, d_h)
 
 
 def rows_as_keys_and_values(view: KVView) -> KVView:

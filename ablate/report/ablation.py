@@ -18,7 +18,8 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ablate.experiment.ablation import ARMS_TABLE, METRICS, AblationConfig, contributions, parse_ablation  # noqa: E402
+from ablate.analysis.contributions import METRICS, contributions  # noqa: E402
+from ablate.experiment.ablation import ARMS_TABLE, AblationConfig, parse_ablation  # noqa: E402
 
 CONTRIBUTIONS_TABLE = "ablation"      # contributions(): technique x metric x kind
 FIGURE = "ablation"

@@ -1,249 +1,35 @@
 """The report's figures, each drawn only when the results hold what it needs.
 
 Every figure is a function of one frame: the summary (one row per grid point x arm) joined with the
-few per-run columns it lacks (KV bytes per token, the drafter, perplexity, throughput CIs). The
-conventions hold across figures so that a reader can follow an arm from one to the next:
-
-- colour = arm (in the experiment's order); marker = the value of any further grid key;
-  line style = the series (p50 solid, p99 dashed; measured solid, predicted dotted);
-- x = the grid key that varies (sequence length, request rate, ...), log2 when the values span
-  8x or more; with no grid the arms are bars;
-- error bars are bootstrap 95% CIs over the repeats (speedup: over the per-round ratios).
+few per-run columns it lacks (perplexity, throughput CIs); its conventions are in layout.py. The
+core's figures are below; a plugin adds its own by declaring StatFigures (ablate.api), drawn by
+`plugin_figure`, and a stat that predicts a measured column adds a dotted series to that column's
+figure (kv_util_mean: the paging model's prediction).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")   # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from ablate.analysis.stats import bootstrap_ci  # noqa: E402
+from ablate.api.plugin import StatFigure  # noqa: E402
+from ablate.report.declared import Declarations  # noqa: E402
+from ablate.report.layout import (AXIS_LABELS, Layout, Series, _baseline_arms, _figure, _from_zero, _has,  # noqa: E402
+                                  _legend, _log_if_wide, _varies, plot_series, with_run_columns)
 
-AXIS_LABELS = {
-    "output_len": "output length (tokens)", "prompt_len": "prompt length (tokens)",
-    "rate": "request rate (requests / s)", "num_requests": "requests", "prompt_kind": "prompt kind",
-    "burstiness": "burstiness (gamma shape)", "seed": "workload seed",
-    "decoding.k": "draft length k", "seqs_admitted_max": "sequences holding KV at once (peak)",
-}
-# per-run columns the summary lacks that figures need: column -> how the repeats are combined
-RUN_COLUMNS = {"kv_bytes_per_token": "median", "perplexity": "median", "decoding.drafter": "first"}
-CI_COLUMNS = ("output_throughput_tok_s",)     # get `<column>_ci_low/high` from the repeats
-MARKERS = ("o", "s", "^", "D", "v", "P", "X")
-MIB = 2**20
-
-
-def with_run_columns(summary: pd.DataFrame, runs: pd.DataFrame | None, point_keys: list[str]) -> pd.DataFrame:
-    """The summary plus RUN_COLUMNS it lacks and bootstrap CIs of CI_COLUMNS, per grid point and arm."""
-    if runs is None or runs.empty:
-        return summary
-    keys = [*point_keys, "arm"]
-    groups = runs.groupby(keys, sort=False)
-    extra = pd.DataFrame(index=groups.size().index)
-    for column, how in RUN_COLUMNS.items():
-        if column in runs and column not in summary:
-            extra[column] = groups[column].agg(how)
-    for column in CI_COLUMNS:
-        if column in runs:
-            cis = groups[column].agg(lambda v: bootstrap_ci(v.to_numpy(float)))
-            extra[f"{column}_ci_low"] = [lo for lo, _ in cis]
-            extra[f"{column}_ci_high"] = [hi for _, hi in cis]
-    if extra.columns.empty:
-        return summary
-    return summary.merge(extra.reset_index(), on=keys, how="left")
-
-
-def _has(frame: pd.DataFrame, column: str) -> bool:
-    return column in frame and frame[column].notna().any()
-
-
-def _varies(frame: pd.DataFrame, column: str) -> bool:
-    """More than one distinct value (numbers compared to 9 decimals: a CSV round trip is not a change)."""
-    if not _has(frame, column):
-        return False
-    values = frame[column].round(9) if pd.api.types.is_numeric_dtype(frame[column]) else frame[column]
-    return values.nunique() > 1
-
-
-@dataclass
-class Line:
-    """One arm (or drafter) at one value of the further grid keys: a line across the x axis."""
-    label: str
-    colour: str
-    marker: str
-    rows: pd.DataFrame
-
-
-@dataclass
-class Layout:
-    """How the grid maps onto a figure: which key is the x axis, which set the markers."""
-    x_key: str | None          # None: no grid key varies, arms are bars
-    marker_keys: list[str]     # further varying grid keys
-    arms: list[str]            # the experiment's order; arm i is colour Ci
-
-    @classmethod
-    def of(cls, frame: pd.DataFrame, point_keys: list[str]) -> Layout:
-        varying = [k for k in point_keys if _varies(frame, k)]
-        numeric = [k for k in varying if pd.api.types.is_numeric_dtype(frame[k])]
-        x_key = (numeric or varying or [None])[0]
-        return cls(x_key, [k for k in varying if k != x_key], list(dict.fromkeys(frame["arm"])))
-
-    def colour(self, arm: str) -> str:
-        return f"C{self.arms.index(arm) % 10}"
-
-    def lines(self, frame: pd.DataFrame, by: str = "arm") -> Iterator[Line]:
-        """One line per value of `by` (the arm) and combination of the marker keys, sorted along x."""
-        combos = list(dict.fromkeys(map(tuple, frame[self.marker_keys].to_numpy()))) if self.marker_keys else [()]
-        names = list(dict.fromkeys(frame[by]))
-        for name in names:
-            # colour: the arm's, the same in every figure; grouped by something else, that group's
-            colour = self.colour(name) if by == "arm" else f"C{names.index(name) % 10}"
-            for i, combo in enumerate(combos):
-                rows = frame[frame[by] == name]
-                for key, value in zip(self.marker_keys, combo):
-                    rows = rows[rows[key] == value]
-                if rows.empty:
-                    continue
-                if self.x_key is not None and pd.api.types.is_numeric_dtype(rows[self.x_key]):
-                    rows = rows.sort_values(self.x_key)
-                label = ", ".join([str(name)] + [f"{k}={v}" for k, v in zip(self.marker_keys, combo)])
-                yield Line(label, colour, MARKERS[i % len(MARKERS)], rows)
-
-    def categories(self, frame: pd.DataFrame) -> list | None:
-        """The x values in order of appearance when they are not numbers (e.g. prompt_kind), else None."""
-        if self.x_key is None or pd.api.types.is_numeric_dtype(frame[self.x_key]):
-            return None
-        return list(dict.fromkeys(frame[self.x_key]))
-
-    def style_x(self, ax: Axes, frame: pd.DataFrame) -> None:
-        """Label the x axis with the measured values as ticks; log2 when they span 8x or more."""
-        ax.set_xlabel(AXIS_LABELS.get(self.x_key, self.x_key))
-        categories = self.categories(frame)
-        if categories is not None:
-            ax.set_xticks(range(len(categories)), [str(c) for c in categories])
-            ax.set_xlim(-0.5, len(categories) - 0.5)
-            return
-        values = np.unique(frame[self.x_key].dropna().to_numpy(float))
-        if values.size > 1 and values.min() > 0 and values.max() / values.min() >= 8:
-            ax.set_xscale("log", base=2)
-            ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
-        if values.size <= 12:
-            ax.set_xticks(values)
-            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-
-
-@dataclass
-class Series:
-    """One quantity drawn for every line: a column, how its lines look, and its CI columns."""
-    column: str
-    label: str
-    linestyle: str = "-"
-    ci: tuple[str, str] | None = None
-    hollow: bool = False
-
-
-def _y(rows: pd.DataFrame, column: str) -> np.ndarray:
-    values = rows[column].to_numpy(float)
-    return values / MIB if column.endswith("bytes") else values
-
-
-def _yerr(rows: pd.DataFrame, series: Series) -> np.ndarray | None:
-    if series.ci is None or series.ci[0] not in rows:
-        return None
-    y = _y(rows, series.column)
-    low, high = _y(rows, series.ci[0]), _y(rows, series.ci[1])
-    return np.nan_to_num(np.vstack([y - low, high - y]).clip(min=0))
-
-
-def plot_series(ax: Axes, frame: pd.DataFrame, layout: Layout, series: list[Series],
-                by: str = "arm") -> list[Line2D]:
-    """Every series for every line: lines along x, or grouped bars with no grid; returns legend handles."""
-    series = [s for s in series if _has(frame, s.column)]
-    handles: list[Line2D] = []
-    lines = list(layout.lines(frame, by))
-    categories = layout.categories(frame)
-    for i, line in enumerate(lines):
-        if layout.x_key is not None:        # bars carry their arm's name on the x axis instead
-            handles.append(Line2D([], [], color=line.colour, marker=line.marker, label=line.label))
-        for j, s in enumerate(series):
-            y = _y(line.rows, s.column)
-            face = "white" if s.hollow else line.colour
-            if layout.x_key is None:            # bars: one group per line, one bar per series
-                width = 0.8 / len(series)
-                ax.bar(i - 0.4 + width * (j + 0.5), y, width, yerr=_yerr(line.rows, s), capsize=3,
-                       color=line.colour, alpha=1.0 if j == 0 else 0.55, hatch=None if j == 0 else "//",
-                       edgecolor="black", linewidth=0.5)
-                continue
-            linestyle = s.linestyle
-            if categories is None:
-                x = line.rows[layout.x_key].to_numpy()
-            else:   # unordered values: no lines between them, each line a little aside so CIs stay apart
-                x = np.array([categories.index(v) for v in line.rows[layout.x_key]]) + 0.3 * (
-                    (i + 0.5) / len(lines) - 0.5)
-                linestyle = "none"
-            ax.errorbar(x, y, yerr=_yerr(line.rows, s), color=line.colour, marker=line.marker, linestyle=linestyle,
-                        markerfacecolor=face, capsize=3, linewidth=1.4)
-    if layout.x_key is None:
-        ax.set_xticks(range(len(lines)), [line.label for line in lines], rotation=20, ha="right")
-    else:
-        layout.style_x(ax, frame)
-    if len(series) > 1:                    # what the line styles (or bar shades) mean
-        for j, s in enumerate(series):
-            if layout.x_key is None:
-                handles.append(Patch(facecolor="grey", alpha=1.0 if j == 0 else 0.55, hatch=None if j == 0 else "//",
-                                     label=s.label))
-            else:
-                handles.append(Line2D([], [], color="grey", linestyle=s.linestyle, marker="o",
-                                      markerfacecolor="white" if s.hollow else "grey", label=s.label))
-    ax.grid(alpha=0.3)
-    return handles
-
-
-def _figure(num_panels: int = 1) -> tuple[Figure, list[Axes]]:
-    fig, axes = plt.subplots(1, num_panels, figsize=(5.0 * num_panels + 2.6, 4.2), squeeze=False,
-                             layout="constrained")     # room for the legend outside the axes
-    return fig, list(axes[0])
-
-
-def _legend(fig: Figure, handles: list) -> None:
-    """Right of the axes, never over the data (the constrained layout makes room); one entry per label."""
-    handles = list({h.get_label(): h for h in handles}.values())
-    if handles:
-        fig.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
-
-
-def _from_zero(ax: Axes) -> None:
-    """A y axis from 0 with room above the highest point (the default margin is a share of the data's
-    range, which is nothing when all values are close)."""
-    ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
-
-
-def _log_if_wide(ax: Axes, frame: pd.DataFrame, columns: list[str]) -> None:
-    values = np.concatenate([_y(frame, c) for c in columns if c in frame])
-    values = values[np.isfinite(values) & (values > 0)]
-    if values.size and values.max() / values.min() > 30:
-        ax.set_yscale("log")
-
-
-def _baseline_arms(frame: pd.DataFrame) -> list[str]:
-    """Arms whose speedup is 1 with a CI of [1, 1] at every point: the baseline, by definition."""
-    ones = frame[["speedup", "speedup_ci_low", "speedup_ci_high"]].eq(1.0).all(axis=1)
-    return [arm for arm, is_one in ones.groupby(frame["arm"], sort=False).all().items() if is_one]
+__all__ = ["caption", "draw", "with_run_columns"]
 
 
 # -- the figures: each returns None when the results do not hold what it needs ------------------------------
 
-def speedup_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
+def speedup_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations | None = None) -> Figure | None:
     if not _has(frame, "speedup"):
         return None
     baselines = _baseline_arms(frame)
@@ -263,7 +49,7 @@ def speedup_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
     return fig
 
 
-def throughput_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
+def throughput_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations | None = None) -> Figure | None:
     if not _has(frame, "output_throughput_tok_s"):
         return None
     fig, (ax,) = _figure()
@@ -276,7 +62,7 @@ def throughput_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
     return fig
 
 
-def latency_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
+def latency_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations | None = None) -> Figure | None:
     panels = [(name, [Series(f"{key}_p50_ms", "p50", "-"), Series(f"{key}_p99_ms", "p99", "--", hollow=True)])
               for name, key in (("TTFT", "ttft"), ("TPOT", "tpot")) if _has(frame, f"{key}_p50_ms")]
     if not panels:
@@ -292,7 +78,7 @@ def latency_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
     return fig
 
 
-def memory_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
+def memory_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations | None = None) -> Figure | None:
     if not _has(frame, "peak_memory_bytes"):
         return None
     fig, (ax,) = _figure()
@@ -306,7 +92,7 @@ def memory_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
     return fig
 
 
-def memory_vs_concurrency_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
+def memory_vs_concurrency_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations | None = None) -> Figure | None:
     """KV bytes against the sequences held at once: the memory price of concurrency, and (when the
     arms' KV bytes per token differ, e.g. GQA/MQA/MLA) how many sequences each byte budget buys."""
     if not (_has(frame, "seqs_admitted_max") and _has(frame, "kv_reserved_peak_bytes")):
@@ -338,13 +124,12 @@ def memory_vs_concurrency_figure(frame: pd.DataFrame, layout: Layout) -> Figure 
     return fig
 
 
-def kv_utilisation_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
+def kv_utilisation_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations | None = None) -> Figure | None:
     if not _has(frame, "kv_util_mean"):
         return None
     fig, (ax,) = _figure()
     handles = plot_series(ax, frame, layout, [Series("kv_util_mean", "measured", "-"),
-                                              Series("kv_cache.predicted_kv_util", "predicted (paging model)", ":",
-                                                     hollow=True)])
+                                              *predicted_series(declared, "kv_util_mean")])
     ax.set_ylabel("KV used / reserved (time-weighted)")
     ax.set_ylim(0, 1.05)
     ax.set_title("KV cache utilisation")
@@ -352,7 +137,7 @@ def kv_utilisation_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
     return fig
 
 
-def goodput_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
+def goodput_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations | None = None) -> Figure | None:
     if not _has(frame, "goodput_req_s"):
         return None
     fig, (ax,) = _figure()
@@ -363,34 +148,7 @@ def goodput_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
     return fig
 
 
-def acceptance_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
-    """Speculative decoding against the draft length k: per-token acceptance alpha, and the measured
-    speedup beside the one the formula predicts from the measured alpha and cost ratio."""
-    if not (_has(frame, "decoding.k") and _has(frame, "decoding.alpha")):
-        return None
-    spec = frame[frame["decoding.k"].notna()].copy()
-    if "decoding.drafter" not in spec:
-        spec["decoding.drafter"] = "speculative"
-    by_k = Layout("decoding.k", [k for k in [layout.x_key, *layout.marker_keys] if k], layout.arms)
-    fig, axes = _figure(2)
-    handles = plot_series(axes[0], spec, by_k, [Series("decoding.alpha", "left: alpha (accepted / tested)", "-"),
-                                                Series("decoding.acceptance_rate", "left: accepted / proposed", "--",
-                                                       hollow=True)], by="decoding.drafter")
-    axes[0].set_ylim(0, 1.05)
-    axes[0].set_ylabel("acceptance")
-    axes[0].set_title("Acceptance vs draft length k")
-    handles += plot_series(axes[1], spec, by_k, [
-        Series("speedup", "right: measured speedup (95% CI)", "-", ("speedup_ci_low", "speedup_ci_high")),
-        Series("decoding.predicted_speedup", "right: predicted from alpha, c", ":", hollow=True)],
-        by="decoding.drafter")
-    axes[1].axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    axes[1].set_ylabel("speedup over the baseline (x)")
-    axes[1].set_title("Speedup vs draft length k")
-    _legend(fig, handles)
-    return fig
-
-
-def kv_vs_perplexity_figure(frame: pd.DataFrame, layout: Layout) -> Figure | None:
+def kv_vs_perplexity_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations | None = None) -> Figure | None:
     if not (_has(frame, "perplexity") and _has(frame, "kv_bytes_per_token")):
         return None
     fig, (ax,) = _figure()
@@ -408,7 +166,41 @@ def kv_vs_perplexity_figure(frame: pd.DataFrame, layout: Layout) -> Figure | Non
     return fig
 
 
-FIGURES: dict[str, tuple[Callable[[pd.DataFrame, Layout], Figure | None], str]] = {
+def predicted_series(declared: Declarations, column: str) -> list[Series]:
+    """A dotted series for each plugin stat that predicts `column`."""
+    return [Series(name, f"predicted ({stat.description})", ":", hollow=True)
+            for name, stat in declared.stats.items() if stat.predicts == column]
+
+
+def plugin_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations, slot: str,
+                  spec: StatFigure) -> Figure | None:
+    """A figure a plugin declares: its series against its x, one line per value of its group_by
+    (or per arm), the grid's own keys as markers."""
+    x = declared.column(slot, spec.x)
+    series = [declared.column(slot, name) for name in spec.series]
+    if not (_has(frame, x) and any(_has(frame, c) for c in series)):
+        return None
+    rows = frame[frame[x].notna()].copy()
+    by = declared.column(slot, spec.group_by) if spec.group_by else "arm"
+    if by not in rows:
+        rows[by] = slot
+    layout = Layout(x, [k for k in [layout.x_key, *layout.marker_keys] if k], layout.arms)
+    fig, (ax,) = _figure()
+    styles = ["-", "--", ":", "-."]
+    handles = plot_series(ax, rows, layout, [
+        Series(c, declared.stats[c].description if c in declared.stats else c, styles[i % 4],
+               ("speedup_ci_low", "speedup_ci_high") if c == "speedup" else None, hollow=i > 0)
+        for i, c in enumerate(series)], by=by)
+    if "speedup" in series:
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xlabel(declared.stats[x].description if x in declared.stats else AXIS_LABELS.get(x, x))
+    ax.set_ylabel(spec.ylabel)
+    ax.set_title(spec.title)
+    _legend(fig, handles)
+    return fig
+
+
+FIGURES: dict[str, tuple[Callable[[pd.DataFrame, Layout, Declarations], Figure | None], str]] = {
     # name: (figure, the caption the report prints under it)
     "speedup": (speedup_figure, "Speedup of each arm over the baseline: the median of the per-round ratios "
                                 "with its bootstrap 95% CI; dotted: the analytic roofline's prediction."),
@@ -421,26 +213,27 @@ FIGURES: dict[str, tuple[Callable[[pd.DataFrame, Layout], Figure | None], str]] 
                               "KV memory reserved and used against the sequences holding KV at once; with arms "
                               "of different KV bytes per token, the sequences each admits."),
     "kv_utilisation": (kv_utilisation_figure, "KV utilisation (used / reserved, time-weighted), measured and, "
-                                              "where the cache reports it, predicted by the paging model."),
+                                              "where the cache reports one, predicted (dotted)."),
     "goodput": (goodput_figure, "Requests per second that met every SLO set."),
-    "acceptance": (acceptance_figure, "Speculative decoding by draft length k: per-token acceptance alpha and "
-                                      "accepted / proposed; measured speedup beside the one predicted from the "
-                                      "measured alpha and cost ratio."),
     "kv_vs_perplexity": (kv_vs_perplexity_figure, "KV bytes per token against held-out perplexity, per arm."),
 }
 
 
-def draw(summary: pd.DataFrame, point_keys: list[str], out_dir: Path,
-         runs: pd.DataFrame | None = None) -> dict[str, Path]:
-    """Write one PNG per figure the results can fill; returns name -> path, in FIGURES' order."""
+def draw(summary: pd.DataFrame, point_keys: list[str], out_dir: Path, runs: pd.DataFrame | None = None,
+         declared: Declarations | None = None) -> dict[str, Path]:
+    """Write one PNG per figure the results can fill (the core's, then the plugins'); returns name -> path."""
     if summary.empty:
         return {}
+    declared = declared or Declarations()
     out_dir.mkdir(parents=True, exist_ok=True)
     frame = with_run_columns(summary, runs, point_keys)
     layout = Layout.of(frame, point_keys)
+    made = [(name, lambda make=make: make(frame, layout, declared)) for name, (make, _) in FIGURES.items()]
+    made += [(spec.name, lambda slot=slot, spec=spec: plugin_figure(frame, layout, declared, slot, spec))
+             for slot, spec in declared.figures]
     written = {}
-    for name, (make, _) in FIGURES.items():
-        fig = make(frame, layout)
+    for name, make in made:
+        fig = make()
         if fig is None:
             continue
         path = out_dir / f"{name}.png"
@@ -450,5 +243,7 @@ def draw(summary: pd.DataFrame, point_keys: list[str], out_dir: Path,
     return written
 
 
-def caption(name: str) -> str:
-    return FIGURES[name][1] if name in FIGURES else ""
+def caption(name: str, declared: Declarations | None = None) -> str:
+    if name in FIGURES:
+        return FIGURES[name][1]
+    return next((spec.caption for _, spec in (declared or Declarations()).figures if spec.name == name), "")

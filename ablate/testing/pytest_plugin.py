@@ -40,7 +40,7 @@ def ablate_baseline_engine(ablate_registry, ablate_tiny_model):
 
 @pytest.fixture
 def ablate_check_plugin(ablate_registry, ablate_tiny_model):
-    from ablate.testing.conformance import check_plugin
+    from ablate.testing.kit import check_plugin
 
     def check(slot: str, name: str) -> None:
         check_plugin(slot, name, ablate_registry, ablate_tiny_model)

@@ -50,6 +50,11 @@ def split_corpus(heldout_every: int = HELDOUT_EVERY) -> tuple[list[dict[str, str
     return prompt, heldout
 
 
+def calibration_text() -> str:
+    """The corpus's prompt part as one text: what conversions may calibrate on (never the held-out part)."""
+    return "\n\n".join(d["text"] for d in split_corpus()[0])
+
+
 def heldout_text() -> str:
     """The held-out topics joined by blank lines (the perplexity text)."""
     return "\n\n".join(d["text"] for d in split_corpus()[1])

@@ -4,7 +4,7 @@ Which kernel runs for which step:
 - the `none` cache (PackedKV: this step's K/V packed like the queries): flash_attention_varlen with
   cu_seqlens_q = cu_seqlens_k = the step's query starts;
 - a decode step (one query per sequence) over padded rows (contiguous, dynamic caches):
-  flash_attention_decode straight on the cache rows, context_lens masking the rest;
+  flash_attention_decode straight on the cache rows, kv_lens masking the rest;
 - anything else (prefill chunks after a prefix, paged blocks): the keys are gathered into packed
   (sum of context lengths, H_kv, D) and flash_attention_varlen runs with cu_seqlens_k from the
   context lengths (causal masking is bottom-right aligned, as the engine's positions are).
@@ -24,11 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ablate.api.step import StepInputs
-from ablate.api.context import BuildContext
-from ablate.api.slots import Attention
-from ablate.api.kv import KVView, PackedKV, PaddedKV
-from ablate.api.plugin import PluginConfig
+from ablate.api import Attention, BuildContext, KVView, PackedKV, PaddedKV, PluginConfig, Stat, StepInputs
 from ablate_attention.sdpa import SDPAAttention, SDPAConfig
 
 _WARNED: set[str] = set()     # fallback reasons already warned about in this process
@@ -67,7 +63,7 @@ def packed_context_index(step: StepInputs, padded_len: int) -> tuple[torch.Tenso
     cu_seqlens_k (B+1,) int32: where each sequence's keys start once packed."""
     def make():
         device = step.input_ids.device
-        ctx = step.context_lens_t.long()                                          # (B,)
+        ctx = step.kv_lens_t.long()                                          # (B,)
         valid = torch.arange(padded_len, device=device)[None, :] < ctx[:, None]   # (B, S)
         cu = torch.zeros(step.num_seqs + 1, dtype=torch.int32, device=device)
         cu[1:] = torch.cumsum(ctx, 0)
@@ -78,7 +74,7 @@ def packed_context_index(step: StepInputs, padded_len: int) -> tuple[torch.Tenso
 class FlashAttention(Attention):
     name = "flash"
     config_class = FlashConfig
-    stats_keys = ("backends",)
+    reported_stats = (Stat("backends", "the implementation that ran, per kind of step", "text", "first"),)
 
     def __init__(self, config: FlashConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
@@ -116,13 +112,13 @@ class FlashAttention(Attention):
         if step.is_decode and isinstance(view, PaddedKV):
             b, h, d = step.num_seqs, q.shape[1], q.shape[2]
             return self.kernels.flash_attention_decode(q.reshape(b, h, d), view.k, view.v,
-                                                       step.context_lens_t)               # (T = B, H, D)
+                                                       step.kv_lens_t)               # (T = B, H, D)
         k, v = view.padded(step)                                                         # (B, S, H_kv, D)
         rows, cu_seqlens_k = packed_context_index(step, k.shape[1])
         k = k.reshape(-1, *k.shape[2:]).index_select(0, rows)                           # (sum ctx, H_kv, D)
         v = v.reshape(-1, *v.shape[2:]).index_select(0, rows)
         return self.kernels.flash_attention_varlen(
-            q, k, v, step.query_starts_t, cu_seqlens_k, step.max_query_len, step.max_context_len, causal=True)
+            q, k, v, step.query_starts_t, cu_seqlens_k, step.max_query_len, step.max_kv_len, causal=True)
 
     @staticmethod
     def _kv(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:

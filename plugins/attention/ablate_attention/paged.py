@@ -15,11 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ablate.baselines.naive_attention import causal_mask, pad_queries, unpad_queries
-from ablate.api.step import StepInputs
-from ablate.api.slots import Attention
-from ablate.api.kv import KVView, PagedKV
-from ablate.api.plugin import PluginConfig, Requirement, Slot
+from ablate.api import (Attention, KVView, PagedKV, PluginConfig, Requirement, Slot, Stat, StepInputs, causal_mask,
+                        pad_queries, unpad_queries)
 
 BACKENDS = ("auto", "triton", "torch")
 _warned_devices: set[str] = set()   # warn once per device type per process, not once per arm
@@ -50,7 +47,7 @@ class PagedAttention(Attention):
     name = "paged"
     config_class = PagedAttentionConfig
     requires = (Requirement(Slot.KV_CACHE, frozenset({"paged"}), "reads K/V through block tables"),)
-    stats_keys = ("backends",)
+    reported_stats = (Stat("backends", "the implementation that ran, per kind of step", "text", "first"),)
 
     def __init__(self, config: PagedAttentionConfig, ctx) -> None:
         super().__init__(config, ctx)
@@ -82,7 +79,7 @@ class PagedAttention(Attention):
         if step.is_decode and self.use_triton:
             self.backends["decode"] = "triton"
             # q (B, H, D): one query per sequence; keys of sequence b at block_tables[b, p // bs], p % bs
-            return self._kernel(q, view.k_cache, view.v_cache, view.block_tables, step.context_lens_t)
+            return self._kernel(q, view.k_cache, view.v_cache, view.block_tables, step.kv_lens_t)
         self.backends.setdefault("decode" if step.is_decode else "prefill", "torch")
         return gathered_attention(q, view, step)
 

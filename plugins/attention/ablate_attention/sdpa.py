@@ -10,11 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ablate.baselines.naive_attention import causal_mask, pad_queries, unpad_queries
-from ablate.api.step import StepInputs
-from ablate.api.slots import Attention
-from ablate.api.kv import KVView
-from ablate.api.plugin import PluginConfig
+from ablate.api import Attention, KVView, PluginConfig, Stat, StepInputs, causal_mask, pad_queries, unpad_queries
 
 
 @dataclass
@@ -34,19 +30,19 @@ def sdpa_backend(q, k, v, mask, is_causal: bool) -> str:
 
 def _plain_causal(step: StepInputs) -> bool:
     """Every sequence is a whole prompt of the same length with no history: is_causal says it all."""
-    no_history = all(ql == cl for ql, cl in zip(step.query_lens, step.context_lens))
+    no_history = all(ql == cl for ql, cl in zip(step.query_lens, step.kv_lens))
     return no_history and len(set(step.query_lens)) == 1
 
 
 def _unmasked(step: StepInputs) -> bool:
     """One query per sequence and keys of one length: every query sees every key, no mask needed."""
-    return all(ql == 1 for ql in step.query_lens) and len(set(step.context_lens)) == 1
+    return all(ql == 1 for ql in step.query_lens) and len(set(step.kv_lens)) == 1
 
 
 class SDPAAttention(Attention):
     name = "sdpa"
     config_class = SDPAConfig
-    stats_keys = ("backends",)
+    reported_stats = (Stat("backends", "the implementation that ran, per kind of step", "text", "first"),)
 
     def __init__(self, config: SDPAConfig, ctx) -> None:
         super().__init__(config, ctx)

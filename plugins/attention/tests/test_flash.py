@@ -73,8 +73,7 @@ def test_an_unsupported_head_dim_falls_back_per_call_and_is_recorded(monkeypatch
     n = 5
     step = StepInputs(seqs=[Sequence(Request(0, (1,) * n, 1))], input_ids=torch.ones(n, dtype=torch.long),
                       positions=torch.arange(n), query_lens=[n], context_lens=[n], query_starts=[0, n],
-                      logits_indices=torch.tensor([n - 1]), context_lens_t=torch.tensor([n], dtype=torch.int32),
-                      query_starts_t=torch.tensor([0, n], dtype=torch.int32))
+                      logits_indices=torch.tensor([n - 1]), query_starts_t=torch.tensor([0, n], dtype=torch.int32))
     q, k = torch.randn(n, 2, 24), torch.randn(n, 2, 24)
     with pytest.warns(UserWarning, match="head_dim 24 is not a power of two"):
         out = plugin(q, PackedKV(k, k), step)

@@ -49,8 +49,7 @@ def decode_step(context_lens: list[int], block_size: int, num_heads: int, num_kv
         seqs=seqs, input_ids=torch.ones(batch, dtype=torch.long),
         positions=torch.tensor([c - 1 for c in context_lens]), query_lens=[1] * batch,
         context_lens=list(context_lens), query_starts=list(range(batch + 1)),
-        logits_indices=torch.arange(batch), context_lens_t=torch.tensor(context_lens, dtype=torch.int32),
-        query_starts_t=torch.arange(batch + 1, dtype=torch.int32))
+        logits_indices=torch.arange(batch), query_starts_t=torch.arange(batch + 1, dtype=torch.int32))
     return q, PagedKV(k_cache, v_cache, block_tables), step
 
 
@@ -63,7 +62,7 @@ def decode_step(context_lens: list[int], block_size: int, num_heads: int, num_kv
 def test_triton_kernel_equals_the_pytorch_block_table_path(context_lens, block_size, heads):
     q, view, step = decode_step(context_lens, block_size, *heads, head_dim=16)
     kernel = ablate_kernels.paged_decode_attention(q, view.k_cache, view.v_cache, view.block_tables,
-                                                   step.context_lens_t)                  # (B, H, D)
+                                                   step.kv_lens_t)                  # (B, H, D)
     torch_path = paged_attention.gathered_attention(q, view, step)                      # (T = B, H, D)
     torch.testing.assert_close(kernel, torch_path, atol=1e-4, rtol=1e-4)
 
@@ -102,7 +101,7 @@ def test_the_backend_that_ran_is_recorded_and_a_fallback_is_said(ablate_registry
 
 
 def test_paged_attention_needs_a_paged_cache(ablate_registry):
-    from ablate.api.plugin import IncompatiblePlugins
+    from ablate.engine.arm import IncompatiblePlugins
 
     with pytest.raises(IncompatiblePlugins, match="attention=paged cannot run with kv_cache=contiguous"):
         resolve_arm("t", {"kv_cache": "contiguous", "attention": "paged"}, baseline_configs(ablate_registry),

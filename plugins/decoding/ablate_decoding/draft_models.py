@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from ablate.model.config import PRESETS, ModelConfig, preset
-from ablate.model.llama import LlamaModel
+from ablate.api.model import PRESETS, LlamaModel, ModelConfig, load_model, preset
 
 _loaded: dict[tuple[str, str], LlamaModel] = {}   # (config, device) -> model: arms and repeats share it
 
@@ -44,8 +43,6 @@ def draft_model_config(name_or_path: str, target: ModelConfig, overrides: dict[s
 
 def load_draft_model(name_or_path: str, target: LlamaModel, overrides: dict[str, Any]) -> LlamaModel:
     """The draft model, on the target's device, checked to share the target's vocabulary."""
-    from ablate.checkpoints.loader import load_model
-
     cfg = draft_model_config(name_or_path, target.config, overrides)
     device = next(target.parameters()).device
     key = (repr(cfg), str(device))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ablate.api.sequence import Sequence
+from ablate.api import Sequence
 from ablate_decoding.drafter import Drafter
 
 

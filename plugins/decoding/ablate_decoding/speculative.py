@@ -6,8 +6,9 @@ One step, per sequence of the batch:
                the drafts (every sequence of the batch in the same pass) gives p_1..p_{k+1}; the
                acceptance rule (acceptance.py) keeps a prefix x_1..x_a and adds one target token, so a
                sequence emits 1..k+1 tokens and each sequence accepts its own number.
-Then the rejected drafts are rolled back: the sequence counts pending + accepted tokens as computed and
-the target's and the drafter's caches are truncated to them, as if the rejected ones were never written.
+The engine then commits what each sequence accepted: the target's cache keeps the pending token and
+the accepted drafts and forgets the rejected ones, as if they had never been written (a model
+drafter's session forgets them at its next pass).
 Greedy requests get exactly the target's greedy tokens; sampled ones the target's distribution.
 """
 from __future__ import annotations
@@ -17,14 +18,8 @@ from typing import Any
 
 import torch
 
-from ablate.measure import device as dev
-from ablate.api.step import Batch
-from ablate.api.context import BuildContext, KVSpec
-from ablate.api.slots import Decoding
-from ablate.api.plugin import PluginConfig
-from ablate.api.sequence import Sequence
-from ablate.engine.runner import ModelRunner
-from ablate.api.sampling import Sampler, probabilities
+from ablate.api import (Batch, BuildContext, Decoding, Executor, PluginConfig, Sampler, Sequence, Stat,
+                        StatFigure, now, probabilities)
 from ablate_decoding.acceptance import accept_drafts, accept_greedy
 from ablate_decoding.draft_models import (early_exit_layers, layer_skip_layers, layer_subset,
                                           load_draft_model)
@@ -81,14 +76,12 @@ def make_drafter(config: SpeculativeConfig, ctx: BuildContext, sampler: Sampler)
         model = layer_subset(target, early_exit_layers(n, config.exit_layer), f"exit@{config.exit_layer}")
     else:
         model = layer_subset(target, layer_skip_layers(n, config.skip_every), f"every{config.skip_every}")
-    # the draft's own cache: the same plugin (and options) the registry built for the target
-    spec = KVSpec.of(model, ctx.engine, ctx.kv_spec.max_seq_len)
-    kv_cache = type(ctx.kv_cache)(ctx.kv_cache.config, BuildContext(model, spec, ctx.engine))
-    return ModelDrafter(config.drafter, model, kv_cache, sampler)
+    # its own cache: the same plugin (and options) as the target's, through the arm's attention
+    return ModelDrafter(config.drafter, ctx.model_session(model), sampler)
 
 
 def kept_tokens(seq: Sequence, tokens: list[int]) -> list[int]:
-    """What Sequence.append will keep: up to the length limit, and up to a stop token."""
+    """What the engine will keep: up to the length limit, and up to a stop token."""
     tokens = tokens[:seq.request.max_new_tokens - seq.num_output_tokens]
     for i, token in enumerate(tokens):
         if token in seq.request.stop_token_ids:
@@ -96,20 +89,44 @@ def kept_tokens(seq: Sequence, tokens: list[int]) -> list[int]:
     return tokens
 
 
-def is_decoding(seq: Sequence, num_new_tokens: int) -> bool:
-    """Past its prompt, and this step feeds it up to its last token: it can be drafted for."""
-    return not seq.is_prefilling and seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+def _stat(key: str, description: str, unit: str = "", aggregate: str = "median", predicts: str = "") -> Stat:
+    return Stat(key, description, unit, aggregate, table="Speculative decoding", predicts=predicts)
 
 
 class Speculative(Decoding):
     name = "speculative"
     config_class = SpeculativeConfig
     exact = True
-    stats_keys = ("drafter", "k", "proposed_tokens", "accepted_tokens", "acceptance_rate", "alpha",
-                  "acceptance_by_position", "proposed_per_verification", "accepted_per_verification",
-                  "tokens_per_target_forward", "verifications", "draft_time_per_step_ms",
-                  "target_time_per_step_ms", "cost_ratio", "predicted_speedup", "draft_passes",
-                  "draft_kv_reserved_bytes")
+    reported_stats = (
+        _stat("drafter", "who proposes the drafts", "text", "first"),
+        _stat("k", "draft tokens proposed per sequence and step (at most)", "count"),
+        _stat("alpha", "accepted / tested: the per-token acceptance of the speedup formula", "fraction"),
+        _stat("acceptance_rate", "accepted / proposed", "fraction"),
+        _stat("tokens_per_target_forward", "tokens emitted per target pass of a sequence", "x"),
+        _stat("cost_ratio", "draft time per token / target time per step (c)", "ratio"),
+        _stat("predicted_speedup", "(1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)), from the measured alpha and c", "x",
+              predicts="speedup"),
+        Stat("proposed_tokens", "draft tokens proposed", "count"),
+        Stat("accepted_tokens", "draft tokens accepted", "count"),
+        Stat("acceptance_by_position", "acceptance at draft positions 1..k", "text", "first"),
+        Stat("proposed_per_verification", "drafts per verification (mean)", "tokens"),
+        Stat("accepted_per_verification", "accepted drafts per verification (mean)", "tokens"),
+        Stat("verifications", "sequence verifications (one sequence in one target pass)", "count"),
+        Stat("draft_time_per_step_ms", "drafting time per step", "ms"),
+        Stat("target_time_per_step_ms", "target (verify) time per step", "ms"),
+        Stat("draft_passes", "forward passes of the draft model", "count"),
+        Stat("draft_kv_reserved_bytes", "bytes the draft model's own KV cache holds", "bytes"),
+    )
+    figures = (
+        StatFigure("acceptance", "Acceptance vs draft length k", x="k", series=("alpha", "acceptance_rate"),
+                   ylabel="acceptance", group_by="drafter",
+                   caption="Speculative decoding by draft length k: per-token acceptance alpha (accepted / tested) "
+                           "and accepted / proposed."),
+        StatFigure("speculative_speedup", "Speedup vs draft length k", x="k", series=("speedup", "predicted_speedup"),
+                   ylabel="speedup over the baseline (x)", group_by="drafter",
+                   caption="Measured speedup (median, 95% CI) beside the one predicted from the measured alpha "
+                           "and cost ratio c."),
+    )
 
     def __init__(self, config: SpeculativeConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
@@ -118,52 +135,48 @@ class Speculative(Decoding):
         self.drafter = make_drafter(config, ctx, self.sampler)
         self.counters = SpeculativeStats(config.k)
 
-    def num_drafts(self, seq: Sequence) -> int:
-        """k, or fewer so that accepted drafts + one target token never pass max_new_tokens."""
-        remaining = seq.request.max_new_tokens - seq.num_output_tokens
-        return max(0, min(self.k, remaining - 1))
+    @property
+    def num_lookahead_tokens(self) -> int:
+        return self.k
 
-    def step(self, runner: ModelRunner, batch: Batch) -> dict[int, list[int]]:
-        self.drafter.prepare(runner)
-        drafting = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)) if is_decoding(seq, n)]
+    def step(self, executor: Executor, batch: Batch) -> dict[int, list[int]]:
+        # draft for the sequences past their prompt whose step reaches their end, within the room reserved
+        drafting = [i for i, (seq, emits) in enumerate(zip(batch.seqs, batch.emits))
+                    if emits and not batch.seqs[i].is_prefilling]
         seqs = [batch.seqs[i] for i in drafting]
-        slot_of = {i: j for j, i in enumerate(drafting)}           # batch index -> index in `seqs`
+        room = [min(batch.num_lookahead_tokens[i], seq.max_num_tokens - 1 - seq.num_tokens)
+                for i, seq in zip(drafting, seqs)]
 
-        start = dev.now(runner.device)
-        drafts, draft_probs = self.drafter.propose(seqs, [self.num_drafts(s) for s in seqs]) if seqs else ([], [])
-        for j, i in enumerate(drafting):
-            # room in the target's cache for the drafts too (a paged cache allocates blocks here)
-            if drafts[j] and not runner.kv_cache.grow(seqs[j], batch.num_new_tokens[i] + len(drafts[j])):
-                drafts[j], draft_probs[j] = [], None
-        drafted = dev.now(runner.device)
-        logits, rows = runner.forward(batch, {s.seq_id: d for s, d in zip(seqs, drafts) if d})   # (N, V)
-        verified = dev.now(runner.device)
+        start = now(executor.device)
+        drafts, draft_probs = self.drafter.propose(seqs, room) if seqs else ([], [])
+        drafted = now(executor.device)
+        out = executor.forward(batch, {s.seq_id: d for s, d in zip(seqs, drafts) if d})   # one target pass
+        verified = now(executor.device)
         if seqs:
             self.counters.record_step(drafted - start, verified - drafted)
 
-        row_starts = [0]
-        for r in rows:
-            row_starts.append(row_starts[-1] + r)
+        slot_of = {i: j for j, i in enumerate(drafting)}           # batch index -> index in `seqs`
         greedy = any(s.request.sampling.is_greedy for s in batch.seqs)
-        argmax = logits.argmax(-1).tolist() if greedy else None            # one sync for the batch
+        argmax = out.logits.argmax(-1).tolist() if greedy else None        # one sync for the batch
+        starts = out.starts
         emitted: dict[int, list[int]] = {}
-        for i, (seq, r) in enumerate(zip(batch.seqs, rows)):
-            if r == 0:
+        for i, (seq, emits) in enumerate(zip(batch.seqs, batch.emits)):
+            if not emits:
                 continue                            # a prompt chunk that does not reach its end yet
-            block = slice(row_starts[i], row_starts[i] + r)
+            rows = slice(starts[i], starts[i + 1])
             if i not in slot_of:                    # prefill done: its first token, as autoregressive
                 params = seq.request.sampling
-                emitted[seq.seq_id] = ([argmax[block][0]] if params.is_greedy else
-                                       [self.sampler.draw(probabilities(logits[block], params)[0], seq)])
+                emitted[seq.seq_id] = ([argmax[rows][0]] if params.is_greedy else
+                                       [self.sampler.draw(probabilities(out.logits[rows], params)[0], seq)])
                 continue
             j = slot_of[i]
-            emitted[seq.seq_id] = self._verify(runner, seq, drafts[j], draft_probs[j], logits[block],
-                                               argmax[block] if argmax is not None else None)
+            emitted[seq.seq_id] = self._verify(seq, drafts[j], draft_probs[j], out.logits[rows],
+                                               argmax[rows] if argmax is not None else None)
         return emitted
 
-    def _verify(self, runner: ModelRunner, seq: Sequence, drafts: list[int], q: torch.Tensor | None,
+    def _verify(self, seq: Sequence, drafts: list[int], q: torch.Tensor | None,
                 logits: torch.Tensor, argmax: list[int] | None) -> list[int]:
-        """Accept a prefix of the drafts, add the target's token, roll back what was rejected.
+        """Accept a prefix of the drafts and add the target's token.
 
         logits (d+1, V): the target's at the pending token and each draft; q (d, V) or None: the
         drafts' distributions; argmax (d+1,): the target's greedy tokens when the batch has greedy requests.
@@ -174,17 +187,12 @@ class Speculative(Decoding):
             p = probabilities(logits, seq.request.sampling)                  # (d+1, V)
             verdict = accept_drafts(p, drafts, q, self.sampler.generator(seq))
         tokens = kept_tokens(seq, verdict.tokens)
-        # computed: the history (its last token was pending) and the drafts that were kept; the
-        # last emitted token is the new pending one
-        num_computed = seq.num_tokens + len(tokens) - 1
-        seq.num_computed_tokens = num_computed
-        runner.kv_cache.truncate(seq, num_computed)
-        self.drafter.rollback(seq, num_computed)
         self.counters.record_verification(seq.seq_id, len(drafts), verdict.num_accepted, len(tokens))
         return tokens
 
     def stats(self) -> dict[str, float | str]:
-        return {"drafter": self.config.drafter, "k": self.k, **self.counters.as_dict(),
+        counters = self.counters.as_dict()
+        return {"drafter": self.config.drafter, "k": self.k, **counters,
                 "draft_passes": self.drafter.num_passes(),
                 "draft_kv_reserved_bytes": self.drafter.bytes_reserved()}
 

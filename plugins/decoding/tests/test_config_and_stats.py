@@ -53,16 +53,15 @@ def test_composes_with_hydra(registry):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from ablate.cli import CONF_DIR
+    from ablate.engine.registry import conf_dir, register_configs
     from ablate.experiment.config import to_run_config
-    from ablate.engine.registry import register_configs
 
     register_configs(registry)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             "decoding=speculative", "decoding.k=8", "decoding.drafter=draft_model", "decoding.draft_model=tiny",
             "+decoding.draft_overrides.seed=1", "results_dir=unused"])
-    _, plugins = to_run_config(OmegaConf.to_container(cfg, resolve=True), registry)
+    plugins = to_run_config(OmegaConf.to_container(cfg, resolve=True), registry).plugins
     assert plugins[Slot.DECODING] == SpeculativeConfig(k=8, drafter="draft_model", draft_model="tiny",
                                                         draft_overrides={"seed": 1})
 
@@ -123,12 +122,13 @@ def test_predicted_speedup():
 
 
 def test_stats_keys_are_stable(build, target, make_requests):
-    """stats() returns exactly `stats_keys`, before any step and after a run."""
+    """stats() returns exactly the keys of `reported_stats`, before any step and after a run."""
     built = build({"kv_cache": "contiguous", "decoding": {"name": "speculative", "drafter": "early_exit",
                                                           "exit_layer": 2}}, target)
     decoding = built.plugins[Slot.DECODING]
-    assert set(decoding.stats()) == set(decoding.stats_keys)
+    declared = {stat.key for stat in decoding.reported_stats}
+    assert set(decoding.stats()) == declared
     built.engine.run(make_requests([7, 9], [5, 6]))
     stats = decoding.stats()
-    assert set(stats) == set(decoding.stats_keys)
+    assert set(stats) == declared
     assert stats["draft_passes"] > 0 and stats["draft_kv_reserved_bytes"] > 0

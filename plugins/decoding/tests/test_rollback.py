@@ -6,14 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ablate.api.step import Batch, StepInputs
-from ablate.api.context import BuildContext, EngineConfig
-from ablate.api.slots import KVCache
-from ablate.model.llama import LlamaModel
-from ablate.api.plugin import Slot
+from ablate.api import Batch, BuildContext, EngineConfig, KVCache, Request, Sequence, Slot, StepInputs
 from ablate.engine.registry import default_registry
-from ablate.api.sequence import Request, Sequence
 from ablate.engine.runner import ModelRunner
+from ablate.engine.session import Shadow
+from ablate.model.llama import LlamaModel
 from ablate_decoding.drafter import Drafter
 
 PROMPT_LEN, MAX_NEW, K = 11, 12, 4
@@ -39,9 +36,8 @@ def cached_kv(cache: KVCache, seq: Sequence, num_tokens: int) -> list[tuple[torc
     with a step that feeds nothing new."""
     empty = torch.empty(0, dtype=torch.long)
     step = StepInputs(seqs=[seq], input_ids=empty, positions=empty, query_lens=[0], context_lens=[num_tokens],
-                      query_starts=[0, 0], logits_indices=empty, context_lens_t=torch.tensor([num_tokens]),
-                      query_starts_t=torch.tensor([0, 0]))
-    cache.prepare(step)
+                      query_starts=[0, 0], logits_indices=empty, query_starts_t=torch.tensor([0, 0]))
+    step = cache.begin_step(step)
     out = []
     for layer in range(cache.spec.num_layers):
         k, v = cache.view(layer, step).padded(step)          # (1, S, H_kv, D)
@@ -52,10 +48,11 @@ def cached_kv(cache: KVCache, seq: Sequence, num_tokens: int) -> list[tuple[torc
 def fresh_kv(model: LlamaModel, like: KVCache, attention, token_ids: list[int]):
     """The K/V a cache of the same plugin holds after one prefill of exactly `token_ids`."""
     cache = type(like)(like.config, BuildContext(model, like.spec, EngineConfig()))
-    seq = Sequence(Request(10_000, tuple(token_ids), 1))
-    cache.admit(seq)
-    assert cache.grow(seq, len(token_ids))
+    seq = Shadow(Request(10_000, tuple(token_ids), 1))
+    assert cache.allocate(seq, len(token_ids))
     ModelRunner(model, cache, attention).forward(Batch([seq], [len(token_ids)]))
+    seq.sync(seq.token_ids, len(token_ids))
+    cache.commit(seq, len(token_ids))
     return cache, seq, cached_kv(cache, seq, len(token_ids))
 
 
@@ -111,22 +108,24 @@ def test_target_cache_after_rejection(kv_cache, num_good, build, target, make_re
 
 @pytest.mark.parametrize("kv_cache", KEEPING_CACHES)
 def test_draft_cache_after_rejection(kv_cache, build, target, make_requests, reference):
-    """The draft model's own cache is truncated to the tokens the target kept."""
+    """The draft model's own cache forgets the drafts the target rejected (when its session next
+    brings it up to date), holding exactly what a prefill of the kept tokens holds."""
     built = build({"kv_cache": kv_cache, "decoding": {"name": "speculative", "k": K, "drafter": "draft_model",
                                                       "draft_model": "tiny", "draft_overrides": {"seed": 1}}}, target)
     decoding = built.plugins[Slot.DECODING]
     seq = start(built, make_requests([PROMPT_LEN], [MAX_NEW])[0])
     while decoding.counters.accepted == decoding.counters.proposed:   # until a step rejects a draft
         built.engine.step(built.engine.scheduler.next_batch())
-    drafter = decoding.drafter
-    shadow = drafter.shadows[seq.seq_id].draft
+    session = decoding.drafter.session
+    held = session.shadows[seq.seq_id][1].num_computed_tokens
+    shadow = session.sync(seq, seq.token_ids)
     computed = shadow.num_computed_tokens
     # the draft computed the history and the drafts it fed; only the accepted ones stay
-    assert computed <= seq.num_tokens - 1
+    assert computed <= held and computed <= seq.num_tokens - 1
     assert shadow.token_ids[:computed] == seq.token_ids[:computed]
-    assert drafter.kv_cache.bytes_used() == computed * drafter.kv_cache.spec.bytes_per_token
-    _, _, expected = fresh_kv(drafter.model, drafter.kv_cache, built.engine.runner.attention, seq.token_ids[:computed])
-    assert_same_kv(cached_kv(drafter.kv_cache, shadow, computed), expected)
+    assert session.kv_cache.bytes_used() == computed * session.kv_cache.spec.bytes_per_token
+    _, _, expected = fresh_kv(session.model, session.kv_cache, built.engine.runner.attention, seq.token_ids[:computed])
+    assert_same_kv(cached_kv(session.kv_cache, shadow, computed), expected)
     while built.engine.scheduler.has_unfinished():
         built.engine.step(built.engine.scheduler.next_batch())
     assert seq.output_token_ids == reference

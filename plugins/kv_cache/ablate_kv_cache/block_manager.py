@@ -86,20 +86,31 @@ class BlockManager:
         return self.block_tables[seq_id]
 
     # -- admission ---------------------------------------------------------------------------------
-    def can_allocate(self, token_ids: Sequence[int]) -> bool:
-        """Room for a new sequence holding `token_ids`: fresh blocks, plus cached free blocks it revives."""
-        hits = self._match_prefix(token_ids)
-        num_fresh = self.num_blocks_for(len(token_ids)) - len(hits)
+    def cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens of a new sequence whose K/V registered blocks hold (prefix caching)."""
+        return len(self._match_prefix(token_ids)) * self.block_size
+
+    def can_allocate(self, token_ids: Sequence[int], num_tokens: int | None = None,
+                     num_cached: int | None = None) -> bool:
+        """Room for a new sequence of `num_tokens` slots (default: its tokens) whose first `num_cached`
+        tokens (whole blocks of `token_ids`; default: every prefix-cache hit) come from the prefix
+        cache: fresh blocks, plus cached free blocks it revives."""
+        num_tokens = len(token_ids) if num_tokens is None else num_tokens
+        hits = self._hits(token_ids, num_cached)
+        num_fresh = self.num_blocks_for(num_tokens) - len(hits)
         num_revived = sum(self.blocks[b].ref_count == 0 for b in hits)
         return num_fresh + num_revived <= self.num_free_blocks
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Claim slots for `token_ids`; returns how many leading tokens are cached (their K/V is there)."""
+    def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int | None = None,
+                 num_cached: int | None = None) -> int:
+        """Claim `num_tokens` slots for a new sequence, its first `num_cached` tokens from the prefix
+        cache (defaults as can_allocate); returns how many leading tokens are cached."""
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id} already holds blocks")
-        if not self.can_allocate(token_ids):
+        if not self.can_allocate(token_ids, num_tokens, num_cached):
             raise RuntimeError(f"allocate(seq {seq_id}) without room: call can_allocate first")
-        hits = self._match_prefix(token_ids)
+        num_tokens = len(token_ids) if num_tokens is None else num_tokens
+        hits = self._hits(token_ids, num_cached)
         if self.enable_prefix_caching:
             self.num_cacheable_blocks += self._num_cacheable(len(token_ids))
             self.num_hit_blocks += len(hits)
@@ -110,11 +121,23 @@ class BlockManager:
                 del self.free_block_ids[block_id]
             block.ref_count += 1
             table.append(block_id)
-        table += [self._take_free_block() for _ in range(self.num_blocks_for(len(token_ids)) - len(hits))]
+        table += [self._take_free_block() for _ in range(self.num_blocks_for(num_tokens) - len(hits))]
         self.block_tables[seq_id] = table
-        self.num_tokens[seq_id] = len(token_ids)
+        self.num_tokens[seq_id] = num_tokens
         self.num_registered[seq_id] = len(hits)
         return len(hits) * self.block_size
+
+    def _hits(self, token_ids: Sequence[int], num_cached: int | None) -> list[int]:
+        """The registered blocks a new sequence takes: its first num_cached tokens (None: every hit)."""
+        if num_cached is None:
+            return self._match_prefix(token_ids)
+        if num_cached % self.block_size:
+            raise ValueError(f"{num_cached} cached tokens is not a whole number of {self.block_size}-token blocks")
+        hits = self._match_prefix(token_ids)[:num_cached // self.block_size]
+        if len(hits) * self.block_size != num_cached:
+            raise ValueError(f"{num_cached} cached tokens claimed but the prefix cache holds "
+                             f"{len(hits) * self.block_size} of them")
+        return hits
 
     def _num_cacheable(self, num_tokens: int) -> int:
         # Only full blocks before the last token: the last token must be fed to get its logits, and

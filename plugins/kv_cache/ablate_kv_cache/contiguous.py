@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ablate.api.context import BuildContext
-from ablate_kv_cache.paging_model import predict
-from ablate.api.sequence import Sequence
+from ablate.api import BuildContext, Sequence
+from ablate_kv_cache.paging_model import PREDICTION_STATS, predict
 from ablate_kv_cache.slot_cache import SlotCacheConfig, SlotKVCache
 
 
@@ -21,8 +20,7 @@ class ContiguousConfig(SlotCacheConfig):
 class ContiguousKVCache(SlotKVCache):
     name = "contiguous"
     config_class = ContiguousConfig
-    stats_keys = SlotKVCache.stats_keys + ("predicted_kv_util", "predicted_seqs_admitted",
-                                           "predicted_frag_slots_per_seq")
+    reported_stats = SlotKVCache.reported_stats + PREDICTION_STATS
 
     def __init__(self, config: ContiguousConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
@@ -32,19 +30,20 @@ class ContiguousKVCache(SlotKVCache):
             num_slots = min(num_slots, self.budget_bytes // self.bytes_per_slot(capacity))
             if num_slots == 0:
                 raise ValueError(
-                    f"the KV budget of {self.budget_bytes} bytes holds no sequence of {capacity} tokens "
-                    f"({self.bytes_per_slot(capacity)} bytes each)"
-                )
+                    f"kv_cache=contiguous: the KV budget of {self.budget_bytes} bytes holds no sequence of {capacity} "
+                    f"tokens ({self.bytes_per_slot(capacity)} bytes each): raise kv_cache.budget_bytes")
         self._allocate(num_slots, capacity)
 
-    def can_admit(self, seq: Sequence) -> bool:
-        return bool(self.free_slots) and seq.max_num_tokens <= self.capacity
-
-    def grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return seq.num_computed_tokens + num_tokens <= self.capacity
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        if seq.seq_id in self.slot_of:
+            return num_tokens <= self.capacity
+        if not self.free_slots or seq.max_num_tokens - 1 > self.capacity:
+            return False
+        self.take_slot(seq)
+        return True
 
     def stats(self) -> dict[str, float]:
-        # the paging model with one block of the full capacity per sequence (ablate/paging_model.py)
+        # the paging model with one block of the full capacity per sequence (paging_model.py)
         prompts, outputs = zip(*self.lengths_admitted.values()) if self.lengths_admitted else ((), ())
         return super().stats() | predict(prompts, outputs, self.capacity, self.num_slots * self.capacity,
                                          self.num_slots)

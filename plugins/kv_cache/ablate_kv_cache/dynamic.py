@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ablate.api.step import StepInputs
-from ablate.api.sequence import Sequence
+from ablate.api import Sequence
 from ablate_kv_cache.slot_cache import SlotCacheConfig, SlotKVCache
 
 
@@ -23,44 +22,38 @@ class DynamicConfig(SlotCacheConfig):
             raise ValueError(f"kv_cache.initial_tokens must be >= 1, got {self.initial_tokens}")
 
 
+def doubled(need: int, have: int, floor: int) -> int:
+    """The first of max(have, floor) * 2^i that is >= need."""
+    size = max(have, floor)
+    while size < need:
+        size *= 2
+    return size
+
+
 class DynamicKVCache(SlotKVCache):
     name = "dynamic"
     config_class = DynamicConfig
 
     def _fits(self, num_slots: int, capacity: int) -> bool:
-        budget = self.budget_bytes
-        return not budget or num_slots * self.bytes_per_slot(capacity) <= budget
+        return not self.budget_bytes or num_slots * self.bytes_per_slot(capacity) <= self.budget_bytes
 
-    def _grown(self, need: int, have: int, floor: int) -> int:
-        size = max(have, floor)
-        while size < need:
-            size *= 2
-        return size
-
-    def can_admit(self, seq: Sequence) -> bool:
-        if len(self.slot_of) >= self.spec.max_num_seqs:
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        is_new = seq.seq_id not in self.slot_of
+        if is_new and len(self.slot_of) >= self.spec.max_num_seqs:
             return False
-        if self.free_slots:
-            return True
-        return self._fits(self._grown(self.num_slots + 1, self.num_slots, 1), max(self.capacity, 1))
-
-    def admit(self, seq: Sequence) -> None:
-        if not self.free_slots:
-            self._allocate(self._grown(self.num_slots + 1, self.num_slots, 1), self.capacity)
-        super().admit(seq)
-
-    def grow(self, seq: Sequence, num_tokens: int) -> bool:
-        need = seq.num_computed_tokens + num_tokens
-        if need <= self.capacity:
-            return True
-        capacity = self._grown(need, self.capacity, self.config.initial_tokens)
-        if not self._fits(self.num_slots, capacity):
-            return False
-        self._allocate(self.num_slots, capacity)
+        # grow by doubling (never past what the workload can use), or, when the budget forbids the
+        # doubled size, by just what is needed
+        slots_needed = self.num_slots + 1 if is_new and not self.free_slots else self.num_slots
+        capacity_needed = max(self.capacity, num_tokens)
+        doubled_size = (min(doubled(slots_needed, self.num_slots, 1), self.spec.max_num_seqs)
+                        if slots_needed > self.num_slots else self.num_slots,
+                        min(doubled(capacity_needed, self.capacity, self.config.initial_tokens), self.spec.max_seq_len)
+                        if capacity_needed > self.capacity else self.capacity)
+        if (slots_needed, capacity_needed) != (self.num_slots, self.capacity):
+            size = next((size for size in (doubled_size, (slots_needed, capacity_needed)) if self._fits(*size)), None)
+            if size is None:
+                return False
+            self._allocate(*size)
+        if is_new:
+            self.take_slot(seq)
         return True
-
-    def prepare(self, step: StepInputs) -> None:
-        need = max(step.context_lens)       # extra (draft) tokens may exceed what grow() was told
-        if need > self.capacity:
-            self._allocate(self.num_slots, self._grown(need, self.capacity, self.config.initial_tokens))
-        super().prepare(step)

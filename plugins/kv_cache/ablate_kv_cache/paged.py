@@ -16,18 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ablate.api.step import StepInputs
-from ablate.api.context import BuildContext
-from ablate.api.slots import KVCache
-from ablate.api.kv import PagedKV
-from ablate_kv_cache.paging_model import predict
-from ablate.api.sequence import Sequence
+from ablate.api import BuildContext, KVBudgetConfig, KVCache, PagedKV, Sequence, Stat, StepInputs, budget_bytes
 from ablate_kv_cache.block_manager import BlockManager
-from ablate_kv_cache.budget import BudgetConfig, budget_bytes
+from ablate_kv_cache.paging_model import PREDICTION_STATS, predict
 
 
 @dataclass
-class PagedConfig(BudgetConfig):
+class PagedConfig(KVBudgetConfig):
     name: str = "paged"
     block_size: int = 16           # token slots per block: smaller wastes less of each last block,
                                    # larger means fewer, longer gathers
@@ -42,10 +37,20 @@ class PagedConfig(BudgetConfig):
 class PagedKVCache(KVCache):
     name = "paged"
     config_class = PagedConfig
-    stats_keys = ("kv_block_size", "kv_block_bytes", "kv_blocks_total", "kv_pool_bytes", "kv_blocks_used_peak",
-                  "kv_blocks_free_min", "kv_frag_slots_mean", "kv_frag_slots_per_seq_mean", "max_seqs_admitted",
-                  "preemptions", "prefix_cache_hit_blocks", "prefix_cache_hit_rate", "predicted_kv_util",
-                  "predicted_seqs_admitted", "predicted_frag_slots_per_seq")
+    reported_stats = (
+        Stat("kv_block_size", "token slots per block", "tokens"),
+        Stat("kv_block_bytes", "bytes per block", "bytes"),
+        Stat("kv_blocks_total", "blocks in the pool", "count"),
+        Stat("kv_pool_bytes", "bytes of the preallocated pool", "bytes"),
+        Stat("kv_blocks_used_peak", "most blocks held at once", "count"),
+        Stat("kv_blocks_free_min", "fewest blocks free at once", "count"),
+        Stat("kv_frag_slots_mean", "slots of the stepped sequences' blocks holding no token, per step (mean)", "tokens"),
+        Stat("kv_frag_slots_per_seq_mean", "... per sequence (mean): about block_size / 2", "tokens",
+             table="KV cache"),
+        Stat("max_seqs_admitted", "most sequences holding blocks at once", "count"),
+        Stat("prefix_cache_hit_blocks", "prompt blocks taken from the prefix cache", "count"),
+        Stat("prefix_cache_hit_rate", "of the full prompt blocks looked up, the share found", "fraction"),
+    ) + PREDICTION_STATS
 
     def __init__(self, config: PagedConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
@@ -61,7 +66,7 @@ class PagedKVCache(KVCache):
             num_blocks = min(num_blocks, budget // self.block_bytes)
             if num_blocks < blocks_per_seq:
                 raise ValueError(
-                    f"the KV budget of {budget} bytes holds {num_blocks} blocks of {bs} tokens "
+                    f"kv_cache=paged: the KV budget of {budget} bytes holds {num_blocks} blocks of {bs} tokens "
                     f"({self.block_bytes} bytes each), fewer than one sequence of {s.max_seq_len} tokens needs "
                     f"({blocks_per_seq}): raise kv_cache.budget_bytes or shorten the workload")
         self.manager = BlockManager(num_blocks, bs, config.prefix_caching)
@@ -71,45 +76,39 @@ class PagedKVCache(KVCache):
         self._block_tables = torch.empty(0, 0, dtype=torch.int32)
         # stats
         self.max_seqs_admitted = 0
-        self.num_preemptions = 0
         self.blocks_used_peak = 0
         self._frag_slots: list[int] = []           # per step: unused slots in the stepped sequences' blocks
         self._frag_slots_per_seq: list[float] = []
         self._lengths_admitted: dict[int, tuple[int, int]] = {}   # seq_id -> (prompt, max output), for predictions
 
     # -- room --------------------------------------------------------------------------------------
-    def can_admit(self, seq: Sequence) -> bool:
-        return self.manager.can_allocate(seq.token_ids)
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        return self.manager.cached_prefix(seq.token_ids)
 
-    def admit(self, seq: Sequence) -> None:
-        """Claim blocks for every token it holds now: its prompt, or prompt + output when recomputed."""
-        num_cached = self.manager.allocate(seq.seq_id, seq.token_ids)
-        # prefix-cache hits: their K/V is already in the pool, so they count as computed
-        seq.num_computed_tokens = max(seq.num_computed_tokens, num_cached)
-        self.max_seqs_admitted = max(self.max_seqs_admitted, len(self.manager.block_tables))
-        self._note_blocks_used()
-        self._lengths_admitted.setdefault(seq.seq_id, (seq.num_prompt_tokens, seq.request.max_new_tokens))
-
-    def grow(self, seq: Sequence, num_tokens: int) -> bool:
-        extra = seq.num_computed_tokens + num_tokens - self.manager.num_tokens[seq.seq_id]
-        if extra <= 0:
-            return True
-        if not self.manager.can_append(seq.seq_id, extra):
-            return False
-        self._copy_blocks(self.manager.append(seq.seq_id, extra))
-        self._note_blocks_used()
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        manager = self.manager
+        if seq.seq_id not in manager.block_tables:     # admission: its first num_computed tokens are prefix hits
+            if not manager.can_allocate(seq.token_ids, num_tokens, seq.num_computed_tokens):
+                return False
+            manager.allocate(seq.seq_id, seq.token_ids, num_tokens, seq.num_computed_tokens)
+            self.max_seqs_admitted = max(self.max_seqs_admitted, len(manager.block_tables))
+            self._lengths_admitted.setdefault(seq.seq_id, (seq.num_prompt_tokens, seq.request.max_new_tokens))
+        else:
+            extra = num_tokens - manager.num_tokens[seq.seq_id]
+            if extra > 0:
+                if not manager.can_append(seq.seq_id, extra):
+                    return False
+                self._copy_blocks(manager.append(seq.seq_id, extra))
+        self.blocks_used_peak = max(self.blocks_used_peak, manager.num_used_blocks)
         return True
 
-    def release(self, seq: Sequence) -> None:
-        if seq.seq_id in self.manager.block_tables:
-            self.manager.free(seq.seq_id)
-            if seq.finish_reason is None:        # released before finishing: preempted
-                self.num_preemptions += 1
-        self._lengths.pop(seq.seq_id, None)
+    def keep(self, seq: Sequence, num_tokens: int) -> None:
+        if self.manager.num_tokens[seq.seq_id] > num_tokens:     # drafts rejected: give their blocks back
+            self.manager.truncate(seq.seq_id, num_tokens)
+        self.manager.commit(seq.seq_id, seq.token_ids[:num_tokens])   # prefix caching: register full blocks
 
-    def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        self.manager.truncate(seq.seq_id, num_tokens)
-        super().truncate(seq, num_tokens)
+    def free(self, seq: Sequence) -> None:
+        self.manager.free(seq.seq_id)
 
     def num_seqs_admitted(self) -> int:
         return len(self.manager.block_tables)
@@ -120,28 +119,12 @@ class PagedKVCache(KVCache):
             self.k[:, dst] = self.k[:, src]
             self.v[:, dst] = self.v[:, src]
 
-    def _note_blocks_used(self) -> None:
-        self.blocks_used_peak = max(self.blocks_used_peak, self.manager.num_used_blocks)
-
     # -- per step ----------------------------------------------------------------------------------
     def prepare(self, step: StepInputs) -> None:
-        super().prepare(step)
         bs, manager = self.block_size, self.manager
-        tables = []
-        frag = 0
-        for seq, ctx in zip(step.seqs, step.context_lens):
-            held = manager.num_tokens[seq.seq_id]
-            if ctx > held:          # fed more than grow() was told (e.g. draft tokens to verify)
-                if not manager.can_append(seq.seq_id, ctx - held):
-                    raise RuntimeError(f"the paged KV cache has no block left for sequence {seq.seq_id}'s "
-                                       f"{ctx - held} extra tokens: call grow() for every token fed")
-                self._copy_blocks(manager.append(seq.seq_id, ctx - held))
-                self._note_blocks_used()
-            if manager.enable_prefix_caching:
-                manager.commit(seq.seq_id, seq.token_ids[:ctx])
-            table = manager.block_table(seq.seq_id)
-            tables.append(table)
-            frag += len(table) * bs - ctx
+        tables = [manager.block_table(seq.seq_id) for seq in step.seqs]
+        self._frag_slots.append(sum(len(t) * bs - ctx for t, ctx in zip(tables, step.context_lens)))
+        self._frag_slots_per_seq.append(self._frag_slots[-1] / len(tables))
         width = max(len(t) for t in tables)
         device = self.spec.device
         # padding entries point at block 0: never read inside a context, masked outside it
@@ -151,8 +134,6 @@ class PagedKVCache(KVCache):
                                                torch.tensor(step.query_lens, device=device))  # (T,)
         pos = step.positions                                                                   # (T,)
         self._slot_mapping = self._block_tables[seq_of_token, pos // bs].long() * bs + pos % bs  # (T,)
-        self._frag_slots.append(frag)
-        self._frag_slots_per_seq.append(frag / len(tables))
 
     def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v (T, H_kv, D) -> slots of the flattened (num_blocks * block_size, H_kv, D) pool (flatten,
@@ -178,12 +159,12 @@ class PagedKVCache(KVCache):
         if sum(len(t) for t in tables.values()) == self.manager.num_used_blocks:   # nothing shared
             return super().bytes_used()
         filled: dict[int, int] = {}
-        for seq_id, length in self._lengths.items():
+        for seq_id, length in self.num_committed().items():
             for i, block_id in enumerate(tables.get(seq_id, ())):
                 in_block = min(self.block_size, length - i * self.block_size)
                 if in_block > 0:
                     filled[block_id] = max(filled.get(block_id, 0), in_block)
-        return sum(filled.values()) * self.spec.bytes_per_token
+        return sum(filled.values()) * self.bytes_per_token
 
     def pool_bytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
@@ -205,7 +186,6 @@ class PagedKVCache(KVCache):
             "kv_frag_slots_mean": float(np.mean(self._frag_slots)) if self._frag_slots else np.nan,
             "kv_frag_slots_per_seq_mean": float(np.mean(self._frag_slots_per_seq)) if self._frag_slots else np.nan,
             "max_seqs_admitted": self.max_seqs_admitted,
-            "preemptions": self.num_preemptions,
             "prefix_cache_hit_blocks": manager.num_hit_blocks,
             "prefix_cache_hit_rate": manager.num_hit_blocks / cacheable if cacheable else np.nan,
             **prediction,

@@ -16,6 +16,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ablate.api import Stat
+
+# what a cache that reports the prediction declares (`predicts`: the measured column beside it)
+PREDICTION_STATS = (
+    Stat("predicted_kv_util", "KV used / reserved the paging model predicts", "fraction",
+         table="KV cache", predicts="kv_util_mean"),
+    Stat("predicted_seqs_admitted", "sequences held at once the paging model predicts", "count",
+         table="KV cache", predicts="seqs_admitted_while_queued"),
+    Stat("predicted_frag_slots_per_seq", "reserved slots holding no token, per sequence, predicted", "tokens",
+         table="KV cache", predicts="kv_cache.kv_frag_slots_per_seq_mean"),
+)
+
 
 def live_lengths(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> np.ndarray:
     """Every length a request holds after one of its steps, over all requests (one entry per step)."""

@@ -1,4 +1,4 @@
-"""Shared by contiguous and dynamic: each sequence owns one row of a (slots, capacity) buffer.
+"""Shared by contiguous and dynamic: each sequence owns one row (slot) of a dense buffer.
 
 Writes go through one flat index per step (slot * capacity + position, as nano-vllm's slot
 mapping), so a step that mixes prefill chunks and decode tokens is one index_copy_ per layer.
@@ -12,51 +12,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ablate.api.step import StepInputs
-from ablate.api.context import BuildContext
-from ablate.api.slots import KVCache
-from ablate.api.kv import PaddedKV
-from ablate.api.sequence import Sequence
-from ablate_kv_cache.budget import BudgetConfig, budget_bytes
+from ablate.api import BuildContext, KVBudgetConfig, KVCache, RowBuffers, Sequence, Stat, StepInputs, budget_bytes
 
 
 @dataclass
-class SlotCacheConfig(BudgetConfig):
+class SlotCacheConfig(KVBudgetConfig):
     """The budget (bytes or a fraction of free memory) caps the slots x capacity buffer."""
 
 
-class RowBuffers:
-    """K/V in one row per sequence of (layers, slots, capacity, H_kv, D) buffers `k` and `v`: where
-    a step's tokens are written, and the rows attention reads (shared by the slot caches and any
-    cache laid out the same way, e.g. plugins/streaming)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    capacity: int
-
-    def plan_rows(self, slots: list[int], step: StepInputs, shifts: list[int]) -> None:
-        """Sequence i's tokens go to row slots[i] at index position - shifts[i]."""
-        device = step.positions.device
-        num_new = torch.tensor(step.query_lens, device=device)
-        slot_t = torch.tensor(slots, device=device)
-        shift_t = torch.tensor(shifts, device=device).repeat_interleave(num_new)              # (T,)
-        self._write_index = slot_t.repeat_interleave(num_new) * self.capacity + step.positions - shift_t   # (T,)
-        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-        self._rows = slice(slots[0], slots[0] + len(slots)) if consecutive else slot_t
-
-    def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v (T, H_kv, D) -> rows of the flattened (slots * capacity, H_kv, D) buffer; flatten, not
-        # view(-1, ...): MLA's V has zero width, and -1 cannot be inferred from zero elements
-        self.k[layer].flatten(0, 1).index_copy_(0, self._write_index, k)
-        self.v[layer].flatten(0, 1).index_copy_(0, self._write_index, v)
-
-    def view(self, layer: int, step: StepInputs) -> PaddedKV:
-        return PaddedKV(self.k[layer][self._rows], self.v[layer][self._rows])   # (B, capacity, H_kv, D)
-
-
 class SlotKVCache(RowBuffers, KVCache):
-    stats_keys = ("kv_slots", "kv_capacity_tokens", "kv_peak_reserved_bytes", "max_seqs_admitted",
-                  "kv_frag_slots_per_seq_mean")
+    reported_stats = (
+        Stat("kv_slots", "rows of the buffer (sequences it can hold)", "count"),
+        Stat("kv_capacity_tokens", "tokens per row", "tokens"),
+        Stat("kv_peak_reserved_bytes", "largest buffer held", "bytes"),
+        Stat("max_seqs_admitted", "most sequences holding a row at once", "count"),
+        Stat("kv_frag_slots_per_seq_mean", "row capacity holding no token, per sequence and step (mean)", "tokens",
+             table="KV cache"),
+    )
 
     def __init__(self, config: SlotCacheConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
@@ -74,10 +46,6 @@ class SlotKVCache(RowBuffers, KVCache):
     @property
     def num_slots(self) -> int:
         return self.k.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
 
     def _allocate(self, num_slots: int, capacity: int) -> None:
         """(Re)allocate to (layers, slots, capacity, H_kv, D), keeping what is stored."""
@@ -98,10 +66,8 @@ class SlotKVCache(RowBuffers, KVCache):
     def bytes_per_slot(self, capacity: int) -> int:
         return capacity * self.spec.bytes_per_token
 
-    # -- admission ---------------------------------------------------------------------------------
-    def admit(self, seq: Sequence) -> None:
-        if not self.free_slots:
-            raise RuntimeError(f"admit(seq {seq.seq_id}) without room: call can_admit first")
+    # -- room --------------------------------------------------------------------------------------
+    def take_slot(self, seq: Sequence) -> None:
         self.slot_of[seq.seq_id] = heapq.heappop(self.free_slots)
         self.max_seqs_admitted = max(self.max_seqs_admitted, len(self.slot_of))
         self.lengths_admitted.setdefault(seq.seq_id, (seq.num_prompt_tokens, seq.request.max_new_tokens))
@@ -109,15 +75,11 @@ class SlotKVCache(RowBuffers, KVCache):
     def num_seqs_admitted(self) -> int:
         return len(self.slot_of)
 
-    def release(self, seq: Sequence) -> None:
-        slot = self.slot_of.pop(seq.seq_id, None)
-        if slot is not None:
-            heapq.heappush(self.free_slots, slot)
-        self._lengths.pop(seq.seq_id, None)
+    def free(self, seq: Sequence) -> None:
+        heapq.heappush(self.free_slots, self.slot_of.pop(seq.seq_id))
 
     # -- per step ----------------------------------------------------------------------------------
     def prepare(self, step: StepInputs) -> None:
-        super().prepare(step)
         self._frag_slots_per_seq.append(self.capacity - sum(step.context_lens) / len(step.context_lens))
         slots = [self.slot_of[s.seq_id] for s in step.seqs]
         self.plan_rows(slots, step, [0] * len(slots))

@@ -8,6 +8,7 @@ import pytest
 from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
 from ablate.api.context import EngineConfig
 from ablate.measure.recorder import Recorder
+from ablate.api.step import Batch
 from ablate.api.sequence import Request, Sequence
 
 
@@ -70,7 +71,7 @@ def test_greedy_tokens_equal_recompute_on_a_ragged_batch(spec, ablate_registry, 
     built.close()
 
 
-def test_truncate_rolls_back_and_decoding_continues_exactly(ablate_registry, ablate_tiny_model):
+def test_rejected_drafts_give_their_blocks_back_and_decoding_continues_exactly(ablate_registry, ablate_tiny_model):
     request = requests([10], [14])[0]
     reference = build(ablate_registry, ablate_tiny_model, {"kv_cache": {"name": "paged", "block_size": 4}}
                       ).engine.run([request])[0].output_token_ids
@@ -80,14 +81,17 @@ def test_truncate_rolls_back_and_decoding_continues_exactly(ablate_registry, abl
     engine.scheduler.add(seq)
     while seq.num_output_tokens < 8:
         engine.step(engine.scheduler.next_batch())
-    # reject the last 5 computed tokens, as speculative decoding would: back across a block boundary
-    keep = seq.num_computed_tokens - 5                          # 17 - 5 = 12: exactly 3 blocks
-    cache.truncate(seq, keep)
-    seq.token_ids = seq.token_ids[:keep + 1]
-    seq.num_computed_tokens = keep
-    assert cache.manager.num_used_blocks == -(-keep // 4)
-    assert cache.bytes_used() == keep * cache.spec.bytes_per_token
-    assert cache.bytes_reserved() == -(-keep // 4) * cache.block_bytes
+    assert seq.num_computed_tokens == 17                        # 10 + 7: the 8th output token is pending
+    # the pending token and 5 drafts across a block boundary, all rejected, as speculative decoding would
+    drafts = [1, 2, 3, 4, 5]
+    assert cache.allocate(seq, 1, num_lookahead_tokens=len(drafts))
+    assert cache.manager.num_used_blocks == -(-(17 + 1 + 5) // 4)
+    batch = engine.checked(Batch([seq], [1]))
+    out = engine.runner.forward(batch, {seq.seq_id: drafts})
+    engine.commit(batch, {seq.seq_id: [int(out.logits[0].argmax())]})
+    assert cache.manager.num_used_blocks == -(-18 // 4)         # the drafts' blocks are free again
+    assert cache.bytes_used() == 18 * cache.bytes_per_token
+    assert cache.bytes_reserved() == -(-18 // 4) * cache.block_bytes
     while not seq.is_finished:
         engine.step(engine.scheduler.next_batch())
     assert seq.output_token_ids == reference
@@ -116,9 +120,9 @@ def test_paged_admits_more_sequences_than_contiguous_under_the_same_budget(ablat
 
 
 def test_the_budget_can_be_a_fraction_of_free_memory(ablate_registry, ablate_tiny_model, monkeypatch):
-    import ablate_kv_cache.budget as budget
+    import ablate.api.kv as kv
 
-    monkeypatch.setattr(budget, "free_memory_bytes", lambda device: 10_000_000)
+    monkeypatch.setattr(kv, "free_memory_bytes", lambda device: 10_000_000)
     paged = build(ablate_registry, ablate_tiny_model, {"kv_cache": {"name": "paged", "budget_fraction": 0.01}})
     assert paged.kv_cache.manager.num_blocks == 100_000 // paged.kv_cache.block_bytes      # 1% of 10 MB
     contiguous = build(ablate_registry, ablate_tiny_model,

@@ -8,7 +8,8 @@ and the token budget lasts. With chunked prefill a prompt that does not fit the 
 is longer than prefill_chunk) is split across steps, so a long prompt never stalls the decodes.
 
 When the cache cannot grow a running sequence, the newest running sequence is preempted: its room
-is released and it returns to the front of the queue with nothing computed. Admitted again, it
+is released and it returns to the front of the queue with nothing computed, and nobody is admitted
+until a sequence finishes (until then the cache has no more room than when it had to preempt). Admitted again, it
 recomputes its prompt and the tokens it had emitted in one prefill (recompute, not swap), and then
 continues exactly as it would have: a greedy sequence's tokens do not depend on the preemption.
 """
@@ -17,11 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ablate.api.step import Batch
-from ablate.api.context import BuildContext
-from ablate.api.slots import Scheduler
-from ablate.api.plugin import PluginConfig
-from ablate.api.sequence import Sequence, Status
+from ablate.api import Batch, BuildContext, PluginConfig, Scheduler, Sequence
 
 
 @dataclass
@@ -38,16 +35,14 @@ class ContinuousConfig(PluginConfig):
 class ContinuousScheduler(Scheduler):
     name = "continuous"
     config_class = ContinuousConfig
-    stats_keys = ("preemptions",)
 
     def __init__(self, config: ContinuousConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
-        self.kv_cache = ctx.kv_cache
-        self.max_num_seqs = ctx.engine.max_num_seqs
-        self.max_num_batched_tokens = ctx.engine.max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # in admission order: the newest last, preempted first
-        self.num_preemptions = 0
+        # a preemption happened and no sequence has finished since: running sequences only grow, so
+        # the cache has no more room than when it had to preempt, and a newcomer would be preempted again
+        self.under_pressure = False
 
     def add(self, seq: Sequence) -> None:
         if not self.config.chunked_prefill and seq.num_tokens > self.max_num_batched_tokens:
@@ -60,18 +55,14 @@ class ContinuousScheduler(Scheduler):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        """Tokens `seq` feeds this step within `budget` tokens: 1 when decoding, else its prompt or a
-        chunk of it; 0 when it does not fit this step.
+    def _num_new_tokens(self, seq: Sequence, budget: int, num_computed: int) -> int:
+        """Tokens `seq` feeds this step within `budget` tokens, once `num_computed` are computed: 1 when
+        decoding, else its prompt or a chunk of it; 0 when it does not fit this step.
 
         A recompute after preemption longer than a whole step's budget is split even without
         chunked_prefill: unsplit it could never run.
         """
-        remaining = seq.num_tokens - seq.num_computed_tokens
+        remaining = seq.num_tokens - num_computed
         if self.config.chunked_prefill:
             limit = min(budget, self.config.prefill_chunk) if self.config.prefill_chunk else budget
             return min(remaining, limit)
@@ -83,30 +74,26 @@ class ContinuousScheduler(Scheduler):
         seqs: list[Sequence] = []
         num_new: list[int] = []
         budget = self.max_num_batched_tokens
-        preemptions_before = self.num_preemptions
+        waiting_before = len(self.waiting)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._num_new_tokens(seq, budget)
+            n = self._num_new_tokens(seq, budget, seq.num_computed_tokens)
             if n and self._grow_or_preempt(seq, n):
                 seqs.append(seq)
                 num_new.append(n)
                 budget -= n
             if seq in self.running:       # not preempted: the next one (preemption only removes the tail)
                 i += 1
+        self.under_pressure = (self.under_pressure or len(self.waiting) > waiting_before) and bool(self.running)
         # newcomers wait while the running ones had to give up room: they would only be preempted next
-        while (self.waiting and self.num_preemptions == preemptions_before
-               and len(self.running) < self.max_num_seqs and budget > 0):
+        while self.waiting and not self.under_pressure and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            if self._num_new_tokens(seq, budget) == 0 or not self.kv_cache.can_admit(seq):
+            cached = self.kv_cache.num_cached_tokens(seq)
+            n = self._num_new_tokens(seq, budget, cached)
+            if n == 0 or not self.admit(seq, n, cached):
                 break                      # first come, first served: nobody overtakes the head
-            self.waiting.popleft()
-            self.kv_cache.admit(seq)       # may count prefix-cache hits as computed
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            n = self._num_new_tokens(seq, budget)
-            if not self._grow_or_preempt(seq, n):
-                break
+            self.running.append(self.waiting.popleft())
             seqs.append(seq)
             num_new.append(n)
             budget -= n
@@ -117,31 +104,17 @@ class ContinuousScheduler(Scheduler):
 
         False: `seq` itself was the newest left and has been preempted.
         """
-        while not self.kv_cache.grow(seq, num_tokens):
-            victim = self.running[-1]
-            self._preempt(victim)
+        while not self.grow(seq, num_tokens):
+            victim = self.running.pop()
+            self.preempt(victim)
+            self.waiting.appendleft(victim)      # first in line again: it arrived before the waiting ones
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.kv_cache.release(seq)
-        seq.status = Status.WAITING
-        seq.num_computed_tokens = 0          # recompute: its K/V is gone
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)          # first in line again: it arrived before the waiting ones
-
-    def finish_step(self, batch: Batch, emitted: dict[int, list[int]]) -> list[Sequence]:
-        finished = []
+    def finish_step(self, batch: Batch) -> None:
         for seq in batch.seqs:
-            if seq.finish_reason is not None and not seq.is_finished:
-                seq.status = Status.FINISHED
+            if seq.is_finished and seq in self.running:
                 self.running.remove(seq)
-                self.kv_cache.release(seq)
-                finished.append(seq)
-        return finished
-
-    def stats(self) -> dict[str, float]:
-        return {"preemptions": self.num_preemptions}
+                self.release(seq)
+                self.under_pressure = False          # room came back

@@ -20,7 +20,7 @@ BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4     # tiny preset: K and V x layers x kv he
 
 
 def build(registry, model, spec, *, max_num_seqs: int = 6, max_num_batched_tokens: int = 4096,
-          record: bool = False) -> BuiltArm:
+          record: bool = False, max_seq_len: int = MAX_SEQ_LEN) -> BuiltArm:
     arm = resolve_arm("test", spec, baseline_configs(registry), registry)
     recorders: list[Recorder] = []
 
@@ -30,7 +30,7 @@ def build(registry, model, spec, *, max_num_seqs: int = 6, max_num_batched_token
         return recorders
 
     engine = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    built = build_arm(arm, model, engine, MAX_SEQ_LEN, registry, hooks)
+    built = build_arm(arm, model, engine, max_seq_len, registry, hooks)
     built.recorder = recorders[0] if record else None
     return built
 
@@ -93,12 +93,8 @@ def test_each_request_gets_the_tokens_it_gets_alone(arm, schedule, ablate_regist
     seqs = serve(built, make_requests(), SCHEDULES[schedule])
     assert [s.output_token_ids for s in seqs] == alone
     assert all(s.is_finished and s.finish_reason == "length" for s in seqs)
-    scheduler = built.engine.scheduler
-    if arm.startswith("preempting"):
-        assert scheduler.num_preemptions > 0 and sum(s.num_preemptions for s in seqs) == scheduler.num_preemptions
-        assert built.kv_cache.stats()["preemptions"] == scheduler.num_preemptions
-    else:
-        assert scheduler.num_preemptions == 0
+    preemptions = sum(s.num_preemptions for s in seqs)      # counted once, on the sequences
+    assert (preemptions > 0) == arm.startswith("preempting")
     assert built.kv_cache.num_seqs_admitted() == 0          # every sequence released its room
 
 
@@ -162,7 +158,7 @@ def test_textbook_case_finishes_in_the_expected_order(scheduler, order, ablate_r
     work = textbook_requests(WorkloadConfig(arrival="textbook", prompt_len=8, output_len=10), 256,
                              output_lens=(50, 45, 10))
     built = build(ablate_registry, ablate_tiny_model, {"kv_cache": PAGED, "scheduler": scheduler},
-                  max_num_seqs=3, record=True)
+                  max_num_seqs=3, record=True, max_seq_len=8 + 50)
     built.engine.run(work)
     rec = built.recorder
     assert finish_order(rec) == order

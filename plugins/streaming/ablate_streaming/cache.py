@@ -22,13 +22,13 @@ Layout. A sequence owns one row of a (layers, slots, capacity, H_kv, D) buffer:
     [ sinks | recent tokens, oldest first | this step's new tokens ]
 
 so what attention reads is the row's first held + new entries, fewer than the sequence's length
-once it has evicted. `prepare` therefore sets the step's context_lens to what each row holds (every
+once it has evicted. `prepare` therefore returns what each row holds as the step's kv_lens (every
 attention plugin reads them as the number of keys in the view: naive's and sdpa's masks, flash's
-kernels) and leaves the positions absolute (RoPE). A step's queries see the held tokens and, causally,
+kernels), while the positions stay absolute (RoPE). A step's queries see the held tokens and, causally,
 the step's own, as in the paper's prefill.
 
 Eviction happens at the start of a sequence's next step, not at the end of this one, so that a
-speculative verification can roll back its rejected drafts (`truncate`) while they are still the
+speculative verification can roll back its rejected drafts (`keep`) while they are still the
 newest tokens; rolling back further only drops held tokens (evicted ones do not come back, the
 window refills as the sequence grows). Between steps a row thus holds up to num_sinks + window +
 the last step's new tokens. Evicting moves the kept window down to just after the sinks: one copy
@@ -44,17 +44,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ablate.api.step import StepInputs
-from ablate.api.context import BuildContext
-from ablate.api.slots import KVCache
-from ablate.api.plugin import QualityBound
-from ablate.api.sequence import Sequence
-from ablate_kv_cache.budget import BudgetConfig, budget_bytes
-from ablate_kv_cache.slot_cache import RowBuffers
+from ablate.api import (BuildContext, KVBudgetConfig, KVCache, QualityBound, RowBuffers, Sequence, Stat,
+                        StepInputs, budget_bytes)
 
 
 @dataclass
-class StreamingConfig(BudgetConfig):
+class StreamingConfig(KVBudgetConfig):
     """The budget (bytes or a fraction of free memory) caps the slots x capacity buffer."""
 
     name: str = "streaming"
@@ -86,8 +81,13 @@ class StreamingKVCache(RowBuffers, KVCache):
     exact = False                      # evicted tokens are no longer attended to
     # the kit's check: a window of 16 on a 96-token text evicts from the 22nd token on; ratio 1.25 measured
     quality = QualityBound(max_ratio=1.5, num_tokens=96, config={"num_sinks": 4, "window": 16})
-    stats_keys = ("kv_capacity_tokens", "kv_peak_reserved_bytes", "tokens_evicted", "peak_tokens_held",
-                  "max_seqs_admitted")
+    reported_stats = (
+        Stat("kv_capacity_tokens", "tokens per row", "tokens"),
+        Stat("kv_peak_reserved_bytes", "largest buffer held", "bytes"),
+        Stat("tokens_evicted", "tokens dropped from rows", "count", table="KV cache"),
+        Stat("peak_tokens_held", "most tokens one row held during a step", "tokens", table="KV cache"),
+        Stat("max_seqs_admitted", "most sequences holding a row at once", "count"),
+    )
 
     def __init__(self, config: StreamingConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
@@ -99,7 +99,7 @@ class StreamingKVCache(RowBuffers, KVCache):
         if self.budget_bytes:
             self.num_slots = min(self.num_slots, self.budget_bytes // (capacity * self.spec.bytes_per_token))
             if self.num_slots == 0:
-                raise ValueError(f"the KV budget of {self.budget_bytes} bytes holds no row of {capacity} tokens "
+                raise ValueError(f"kv_cache=streaming: the KV budget of {self.budget_bytes} bytes holds no row of {capacity} tokens "
                                  f"({capacity * self.spec.bytes_per_token} bytes)")
         self.rows: dict[int, Row] = {}                    # seq_id -> its row
         self.free_slots = list(range(self.num_slots))     # a heap: the lowest free slot first keeps rows together
@@ -111,10 +111,6 @@ class StreamingKVCache(RowBuffers, KVCache):
         self._allocate(capacity)
 
     # -- storage -----------------------------------------------------------------------------------
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
     def _allocate(self, capacity: int) -> None:
         """(Re)allocate to (layers, slots, capacity, H_kv, D), keeping what is stored."""
         s = self.spec
@@ -158,64 +154,55 @@ class StreamingKVCache(RowBuffers, KVCache):
         row.first_recent = first_kept
         self.tokens_evicted += excess
 
-    # -- admission ---------------------------------------------------------------------------------
-    def can_admit(self, seq: Sequence) -> bool:
-        return bool(self.free_slots)
+    # -- room ---------------------------------------------------------------------------------------
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        row = self.rows.get(seq.seq_id)
+        if row is None and not self.free_slots:
+            return False
+        # the next step first evicts down to num_sinks + window, then adds what is new
+        held = min(self._num_held(row), self.num_sinks + self.window) if row else 0
+        if not self._room_for(held + num_tokens - (row.length if row else 0)):
+            return False
+        if row is None:
+            self.rows[seq.seq_id] = Row(heapq.heappop(self.free_slots))
+            self.max_seqs_admitted = max(self.max_seqs_admitted, len(self.rows))
+        return True
 
-    def admit(self, seq: Sequence) -> None:
-        if not self.free_slots:
-            raise RuntimeError(f"admit(seq {seq.seq_id}) without room: call can_admit first")
-        self.rows[seq.seq_id] = Row(heapq.heappop(self.free_slots))
-        self.max_seqs_admitted = max(self.max_seqs_admitted, len(self.rows))
-
-    def grow(self, seq: Sequence, num_tokens: int) -> bool:
-        # the next step first evicts down to num_sinks + window, then adds num_tokens
-        held = min(self._num_held(self.rows[seq.seq_id]), self.num_sinks + self.window)
-        return self._room_for(held + num_tokens)
-
-    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+    def keep(self, seq: Sequence, num_tokens: int) -> None:
         """Drop every held token at position >= num_tokens (evicted ones stay evicted)."""
         row = self.rows[seq.seq_id]
-        if num_tokens > row.length:
-            raise ValueError(f"truncate(seq {seq.seq_id}, {num_tokens}): it holds {row.length} tokens")
         if num_tokens < row.first_recent:       # every recent token goes, and the sinks past num_tokens
             row.first_recent = num_tokens
-        row.length = num_tokens
-        self._lengths[seq.seq_id] = self._num_held(row)
+        row.length = min(row.length, num_tokens)
 
-    def release(self, seq: Sequence) -> None:
-        row = self.rows.pop(seq.seq_id, None)
-        if row is not None:
-            heapq.heappush(self.free_slots, row.slot)
-        self._lengths.pop(seq.seq_id, None)
+    def free(self, seq: Sequence) -> None:
+        heapq.heappush(self.free_slots, self.rows.pop(seq.seq_id).slot)
 
     def num_seqs_admitted(self) -> int:
         return len(self.rows)
 
+    def bytes_used(self) -> int:
+        """The tokens the rows hold (sinks and window), not the sequences' lengths."""
+        return sum(self._num_held(row) for row in self.rows.values()) * self.bytes_per_token
+
     # -- per step ----------------------------------------------------------------------------------
-    def prepare(self, step: StepInputs) -> None:
+    def prepare(self, step: StepInputs) -> list[int]:
         keys: list[int] = []       # per sequence: tokens in its row once this step's are written
         shifts: list[int] = []     # per sequence: absolute position - row index of this step's tokens
         for seq, num_new, context in zip(step.seqs, step.query_lens, step.context_lens):
             row = self.rows[seq.seq_id]
             start = context - num_new                       # position of the step's first token
             if start != row.length:
-                raise RuntimeError(f"kv_cache=streaming: sequence {seq.seq_id}'s step starts at position {start} "
-                                   f"but its row accounts for {row.length} tokens (roll back with truncate)")
+                raise RuntimeError(f"sequence {seq.seq_id}'s step starts at position {start} but its row "
+                                   f"accounts for {row.length} tokens")
             self._evict(row)
             held = self._num_held(row)
             shifts.append(start - held)
             keys.append(held + num_new)
             row.length = context
-        if max(keys) > self.capacity:            # extra (draft) tokens may exceed what grow() was told
-            self._allocate(max(keys))
         self.peak_tokens_held = max(self.peak_tokens_held, max(keys))
-        # attention reads each row's held tokens, not the sequence's length; positions stay absolute
-        device = self.spec.device
-        step.context_lens = keys
-        step.context_lens_t = torch.tensor(keys, dtype=torch.int32, device=device)
-        super().prepare(step)                    # bytes_used() counts the tokens held
         self.plan_rows([self.rows[s.seq_id].slot for s in step.seqs], step, shifts)
+        return keys          # attention reads each row's held tokens; positions stay absolute (RoPE)
 
     def stats(self) -> dict[str, float]:
         return {"kv_capacity_tokens": self.capacity, "kv_peak_reserved_bytes": self.peak_reserved,

@@ -9,13 +9,11 @@ import pytest
 import torch
 
 from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
-from ablate.api.step import Batch, StepInputs
-from ablate.api.context import BuildContext, EngineConfig, KVSpec
-from ablate.api.slots import KVCache
-from ablate.api.plugin import Slot
-from ablate.measure.recorder import Recorder
-from ablate.api.sequence import Request, Sequence
+from ablate.api import (Batch, BuildContext, EngineConfig, KVCache, KVSpec, PluginError, Request, Slot,
+                        StepInputs)
 from ablate.engine.runner import ModelRunner
+from ablate.engine.session import Shadow
+from ablate.measure.recorder import Recorder
 from ablate_streaming.cache import StreamingConfig, StreamingKVCache
 
 SINKS, WINDOW = 4, 16
@@ -81,22 +79,30 @@ def make_cache(model, cls: type[KVCache], config, max_seq_len: int = 200) -> KVC
     return cls(config, BuildContext(model, KVSpec.of(model, engine, max_seq_len), engine))
 
 
-def feed(runner: ModelRunner, seq: Sequence, chunks: list[int]) -> None:
-    """Run `seq`'s next tokens through the runner, chunks[i] of them in step i."""
+def feed(runner: ModelRunner, seq: Shadow, chunks: list[int]) -> None:
+    """Run `seq`'s next tokens through the runner, chunks[i] of them in step i (as the engine would:
+    allocate, forward, commit)."""
     for n in chunks:
-        assert runner.kv_cache.grow(seq, n)
+        assert runner.kv_cache.allocate(seq, n)
         runner.forward(Batch([seq], [n]))
+        seq.sync(seq.token_ids, seq.num_computed_tokens + n)
+        runner.kv_cache.commit(seq, seq.num_computed_tokens)
 
 
-def held_kv(cache: KVCache, seq: Sequence, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def roll_back(cache: KVCache, seq: Shadow, num_tokens: int) -> None:
+    """Keep only the first `num_tokens` (a model session rolling back a rejected draft)."""
+    seq.sync(seq.token_ids[:num_tokens], num_tokens)
+    cache.commit(seq, num_tokens)
+
+
+def held_kv(cache: KVCache, seq: Shadow, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The K and V (held, H_kv, D) the cache holds for `seq` now, read through its own view with a
-    step that feeds nothing (the view's context_lens say how many)."""
+    step that feeds nothing (the view's kv_lens say how many)."""
     empty = torch.empty(0, dtype=torch.long)
     n = seq.num_computed_tokens
     step = StepInputs(seqs=[seq], input_ids=empty, positions=empty, query_lens=[0], context_lens=[n],
-                      query_starts=[0, 0], logits_indices=empty, context_lens_t=torch.tensor([n]),
-                      query_starts_t=torch.tensor([0, 0]))
-    cache.prepare(step)
+                      query_starts=[0, 0], logits_indices=empty, query_starts_t=torch.tensor([0, 0]))
+    step = cache.begin_step(step)
     k, v = cache.view(layer, step).padded(step)                 # (1, held, H_kv, D)
     return k[0].clone(), v[0].clone()
 
@@ -106,8 +112,7 @@ def layer0_kv(model, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     only (RoPE after the projection), not on what attention saw, so any cache must hold these."""
     from ablate_kv_cache.dynamic import DynamicConfig, DynamicKVCache
     cache = make_cache(model, DynamicKVCache, DynamicConfig())
-    seq = Sequence(Request(0, tuple(token_ids), 1))
-    cache.admit(seq)
+    seq = Shadow(Request(0, tuple(token_ids), 1))
     runner = ModelRunner(model, cache, build_attention(model, cache))
     feed(runner, seq, [len(token_ids)])
     return held_kv(cache, seq)
@@ -133,8 +138,7 @@ def test_eviction_keeps_the_sinks_and_the_newest_tokens(ablate_tiny_model, chunk
     sinks, window = 2, 6
     runner, cache = streaming_runner(ablate_tiny_model, sinks, window)
     token_ids = [random.Random(1).randrange(256) for _ in range(sum(chunks))]
-    seq = Sequence(Request(0, tuple(token_ids), 1))
-    cache.admit(seq)
+    seq = Shadow(Request(0, tuple(token_ids), 1))
     feed(runner, seq, chunks)
     k, v = held_kv(cache, seq)
     k_all, v_all = layer0_kv(ablate_tiny_model, token_ids)
@@ -146,39 +150,32 @@ def test_eviction_keeps_the_sinks_and_the_newest_tokens(ablate_tiny_model, chunk
 
 
 def test_rollback_drops_the_newest_and_refills(ablate_tiny_model):
-    """truncate() after a verification step: as if the rejected tokens never came; rolling back
+    """A rollback after a verification step: as if the rejected tokens never came; rolling back
     past the window leaves the sinks, and the window refills from there."""
     sinks, window = 2, 6
     runner, cache = streaming_runner(ablate_tiny_model, sinks, window)
     rng = random.Random(2)
-    seq = Sequence(Request(0, tuple(rng.randrange(256) for _ in range(20)), 1))
-    cache.admit(seq)
+    seq = Shadow(Request(0, tuple(rng.randrange(256) for _ in range(20)), 1))
     feed(runner, seq, [1] * 20)                                  # evicting every step by now
-    seq.token_ids += [rng.randrange(256) for _ in range(4)]      # a pending token and three drafts
+    seq.sync(seq.token_ids + [rng.randrange(256) for _ in range(4)], 20)   # a pending token and three drafts
     feed(runner, seq, [4])
-    keep = seq.num_tokens - 2                                    # two drafts rejected
-    del seq.token_ids[keep:]
-    seq.num_computed_tokens = keep
-    cache.truncate(seq, keep)
+    roll_back(cache, seq, seq.num_tokens - 2)                    # two drafts rejected
     assert cache.bytes_used() == (sinks + window + 2) * cache.spec.bytes_per_token
-    seq.token_ids.append(rng.randrange(256))
+    seq.sync(seq.token_ids + [rng.randrange(256)], seq.num_computed_tokens)
     feed(runner, seq, [1])
     k, _ = held_kv(cache, seq)
     k_all, _ = layer0_kv(ablate_tiny_model, seq.token_ids)
     torch.testing.assert_close(k, k_all[expected_positions(seq.num_tokens, sinks, window)])
 
-    back = 5                                                     # before the oldest recent token held
-    del seq.token_ids[back:]
-    seq.num_computed_tokens = back
-    cache.truncate(seq, back)
+    roll_back(cache, seq, 5)                                     # before the oldest recent token held
     assert cache.bytes_used() == sinks * cache.spec.bytes_per_token
-    seq.token_ids += [rng.randrange(256) for _ in range(3)]
+    seq.sync(seq.token_ids + [rng.randrange(256) for _ in range(3)], 5)
     feed(runner, seq, [1, 1, 1])
     k, _ = held_kv(cache, seq)
     k_all, _ = layer0_kv(ablate_tiny_model, seq.token_ids)
     torch.testing.assert_close(k, k_all[[0, 1, 5, 6, 7]])     # sinks, then what came after the rollback
-    with pytest.raises(ValueError, match="holds 8 tokens"):
-        cache.truncate(seq, 9)
+    with pytest.raises(PluginError, match="9 tokens committed"):
+        cache.commit(seq, 9)                                     # it holds room for 8
 
 
 # -- with the other slots --------------------------------------------------------------------------

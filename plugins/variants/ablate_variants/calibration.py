@@ -5,13 +5,13 @@ direction; a transformer's inputs are not (a few channels carry most of the norm
 C = E[x x^T] over real inputs and C = L L^T (Cholesky), the rank-r A minimising E||(M - A) x||^2
 is A = (M L)_r L^-1 (the SVD of M L truncated, then mapped back; SVD-LLM, Wang et al. 2024).
 This file measures C per layer over calibration text: the prompt part of the shipped corpus
-(ablate.workload.text), never its held-out part, which perplexity is measured on.
+(ablate.api.model.calibration_text), never its held-out part, which perplexity is measured on.
 """
 from __future__ import annotations
 
 import torch
 
-from ablate.model.llama import LlamaModel
+from ablate.api.model import LlamaModel, calibration_text, load_tokenizer, sequence_logits
 
 
 def calibration_token_ids(model: LlamaModel, num_tokens: int, seed: int = 0) -> list[int]:
@@ -19,10 +19,7 @@ def calibration_token_ids(model: LlamaModel, num_tokens: int, seed: int = 0) -> 
     or seeded random token ids (a randomly initialised one, which has no tokenizer of its own)."""
     cfg = model.config
     if cfg.init == "pretrained" and (cfg.path or cfg.package):
-        from ablate.checkpoints.loader import load_tokenizer
-        from ablate.workload.text import split_corpus
-        text = "\n\n".join(doc["text"] for doc in split_corpus()[0])
-        ids = load_tokenizer(cfg).encode(text, add_special_tokens=True)
+        ids = load_tokenizer(cfg).encode(calibration_text(), add_special_tokens=True)
         if len(ids) < num_tokens:
             raise ValueError(f"the corpus's prompt part has {len(ids)} tokens, fewer than the {num_tokens} asked for")
         return ids[:num_tokens]
@@ -34,8 +31,6 @@ def calibration_token_ids(model: LlamaModel, num_tokens: int, seed: int = 0) -> 
 def attention_input_moments(model: LlamaModel, token_ids: list[int], window: int = 512) -> list[torch.Tensor]:
     """Per layer, sum over tokens of x x^T for the input x (d_model,) of its attention (after the
     norm): (d_model, d_model) float64 on the CPU. The text runs in windows of `window` tokens."""
-    from ablate.measure.quality import sequence_logits
-
     d = model.config.d_model
     moments = [torch.zeros(d, d, dtype=torch.float64) for _ in model.layers]
 

@@ -21,11 +21,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ablate.api.context import BuildContext
-from ablate.api.slots import ModelVariant
-from ablate.model.config import ModelConfig
-from ablate.model.llama import LlamaModel, SelfAttention
-from ablate.api.plugin import PluginConfig, QualityBound
+from ablate.api import BuildContext, ModelVariant, PluginConfig, QualityBound, Stat
+from ablate.api.model import LlamaModel, ModelConfig, SelfAttention
 from ablate_variants.rebuild import with_new_attention
 
 
@@ -100,7 +97,8 @@ class GroupedKVHeads(ModelVariant):
     # the kit's check, on the tiny random model at kv_heads=1 (its 2 K/V heads pooled): ratio 1.76
     # measured; random heads are unrelated, so pooling costs more there than in a trained model
     quality = QualityBound(max_ratio=2.0, num_tokens=96)
-    stats_keys = ("kv_heads_before", "kv_heads_after")
+    reported_stats = (Stat("kv_heads_before", "K/V heads of the loaded model", "count"),
+                      Stat("kv_heads_after", "K/V heads the arm runs", "count", table="Model variant"))
 
     def __init__(self, config: GQAConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)

@@ -50,12 +50,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ablate.api.context import BuildContext
-from ablate.api.slots import ModelVariant
-from ablate.model.config import ModelConfig
-from ablate.model.llama import LlamaModel, RotaryEmbedding, SelfAttention, llama3_scaled_inv_freq
-from ablate.model.mla import MultiHeadLatentAttention
-from ablate.api.plugin import PluginConfig, QualityBound
+from ablate.api import BuildContext, ModelVariant, PluginConfig, QualityBound, Stat
+from ablate.api.model import (LlamaModel, ModelConfig, MultiHeadLatentAttention, RotaryEmbedding, SelfAttention,
+                              llama3_scaled_inv_freq)
 from ablate_variants.calibration import attention_input_moments, calibration_token_ids
 from ablate_variants.rebuild import with_new_attention
 
@@ -211,7 +208,12 @@ class LatentKV(ModelVariant):
     # the kit's check, on the tiny random model: the defaults (full rank, all of RoPE) are lossless,
     # so a rank and rotary width that approximate; ratio 1.38 measured
     quality = QualityBound(max_ratio=1.6, num_tokens=96, config={"rank": 16, "rope_frequencies": 4})
-    stats_keys = ("kv_latent_dim", "rope_head_dim", "svd_relative_error")   # error: see low_rank
+    reported_stats = (
+        Stat("kv_latent_dim", "latent width d_c cached per token", "count", table="Model variant"),
+        Stat("rope_head_dim", "rotary key width d_R cached per token", "count", table="Model variant"),
+        Stat("svd_relative_error", "relative error of the low-rank K/V projections, mean over layers (see low_rank)",
+             "fraction", table="Model variant"),
+    )
 
     def __init__(self, config: MLAConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)

@@ -11,9 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ablate.model.config import ModelConfig
-from ablate.model.linear import Linear
-from ablate.model.llama import LlamaModel, RotaryEmbedding
+from ablate.api.model import Linear, LlamaModel, ModelConfig, RotaryEmbedding
 
 
 def with_new_attention(model: LlamaModel, cfg: ModelConfig, new_attention: Callable[[int, nn.Module], nn.Module],

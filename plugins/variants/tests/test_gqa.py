@@ -56,10 +56,9 @@ def test_conversion_leaves_the_loaded_model_alone(mha_model):
 
 
 def test_mqa_stores_a_third_of_smollm2_shape_kv():
-    from ablate.analysis.analytic import kv_bytes_per_token
-    smol = preset("smollm2-135m")
     from dataclasses import replace
-    assert kv_bytes_per_token(replace(smol, n_kv_heads=1)) * 3 == kv_bytes_per_token(smol)
+    smol = preset("smollm2-135m")
+    assert replace(smol, n_kv_heads=1).kv_bytes_per_token() * 3 == smol.kv_bytes_per_token()
 
 
 def test_bad_head_counts_are_refused(mha_model):

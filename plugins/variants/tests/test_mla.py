@@ -6,17 +6,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ablate.analysis.analytic import kv_bytes_per_token
-from ablate.baselines.naive_attention import NaiveAttention, NaiveAttentionConfig
 from ablate.api.step import Batch
-from ablate.api.context import BuildContext, EngineConfig, KVSpec
+from ablate.api import BuildContext, EngineConfig, KVSpec
+from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
 from ablate.model.mla import MultiHeadLatentAttention, set_absorbed
 from ablate.api.plugin import Slot
 from ablate.measure.quality import sequence_logits
 from ablate.api.sequence import Request, Sequence
-from ablate.engine.runner import ModelRunner
 from ablate_variants.mla import MLAConfig, to_mla
 
 TOKENS = list(range(5, 60, 3))
@@ -26,19 +24,20 @@ DECODE_STEPS = 6
 
 def decode_logits(model: LlamaModel, registry) -> list[torch.Tensor]:
     """Prefill a ragged batch into a contiguous cache, then greedy decode steps; every step's logits."""
-    engine = EngineConfig(max_num_seqs=len(PROMPTS))
-    ctx = BuildContext(model, KVSpec.of(model, engine, 32), engine)
-    cache = registry.get(Slot.KV_CACHE, "contiguous")(registry.config(Slot.KV_CACHE, "contiguous"), ctx)
-    runner = ModelRunner(model, cache, NaiveAttention(NaiveAttentionConfig(), ctx))
+    arm = resolve_arm("mla", {"kv_cache": "contiguous"}, baseline_configs(registry), registry)
+    built = build_arm(arm, model, EngineConfig(max_num_seqs=len(PROMPTS)), 32, registry)
+    engine, cache = built.engine, built.kv_cache
     seqs = [Sequence(Request(i, p, max_new_tokens=DECODE_STEPS + 1)) for i, p in enumerate(PROMPTS)]
     for seq in seqs:
-        cache.admit(seq)
+        seq.start()
     batch, out = Batch(seqs, [len(p) for p in PROMPTS]), []
     for _ in range(DECODE_STEPS + 1):
-        logits, _ = runner.forward(batch)                       # (B, V): one row per sequence
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            assert cache.allocate(seq, n)
+        batch = engine.checked(batch)
+        logits = engine.runner.forward(batch).logits             # (B, V): one row per sequence
         out.append(logits)
-        for seq, row in zip(seqs, logits):
-            seq.append([int(row.argmax())])
+        engine.commit(batch, {seq.seq_id: [int(row.argmax())] for seq, row in zip(seqs, logits)})
         batch = Batch(seqs, [1] * len(seqs))
     return out
 
@@ -104,9 +103,9 @@ def num_admitted(cache, tokens: int, limit: int) -> int:
     """Sequences of `tokens` tokens admitted one after another until the cache says no."""
     for i in range(limit):
         seq = Sequence(Request(i, (1,) * (tokens - 1), max_new_tokens=1))
-        if not cache.can_admit(seq):
+        seq.start()
+        if not cache.allocate(seq, tokens - 1):
             return i
-        cache.admit(seq)
     return limit
 
 
@@ -122,13 +121,13 @@ def test_kv_bytes_measured_from_the_cache_equal_the_formula_for_every_variant(ti
         spec = KVSpec.of(model, EngineConfig(max_num_seqs=3), 16)
         cache = contiguous_cache(ablate_registry, spec)
         measured = cache.bytes_reserved() / (cache.num_slots * cache.capacity)    # the buffers' bytes per token slot
-        assert measured == spec.bytes_per_token == kv_bytes_per_token(model.config) == expected[name], name
+        assert measured == spec.bytes_per_token == model.config.kv_bytes_per_token() == expected[name], name
 
 
 def test_mla_preset_stores_at_most_a_quarter_of_mha_and_the_budget_admits_more(ablate_registry):
     mla = preset("mla-small", dtype="bf16")           # 128-dim heads, latent 512 + rotary key 64
     mha = replace(mla, attention_kind="mha", kv_latent_dim=0, rope_head_dim=0)
-    budget = 64 * 8 * kv_bytes_per_token(mha)         # room for 64 MHA sequences of 8 tokens
+    budget = 64 * 8 * mha.kv_bytes_per_token()         # room for 64 MHA sequences of 8 tokens
     measured, admitted = {}, {}
     for name, cfg in {"mla": mla, "mha": mha}.items():
         cache = contiguous_cache(ablate_registry, cache_spec(cfg, max_num_seqs=1, max_seq_len=8))
@@ -143,7 +142,6 @@ def test_mla_preset_stores_at_most_a_quarter_of_mha_and_the_budget_admits_more(a
 @pytest.mark.parametrize("kv_cache", ["contiguous", "dynamic", "paged"])
 def test_mla_gives_the_same_tokens_through_every_cache(kv_cache, ablate_registry):
     """The cached rows [c, k^R] (zero-width V) through each cache's layout, absorbed at decode."""
-    from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
     model = LlamaModel.random(preset("mla-tiny"))
     requests = [Request(i, p, 6) for i, p in enumerate(PROMPTS)]
     outputs = []

@@ -1,0 +1,56 @@
+"""The slots one forward pass goes through: each layer stores its K/V in the cache, reads the layer's
+view back and attends over it. Failures inside a plugin, and views or outputs of the wrong shape,
+are reported as PluginError naming the plugin and the method; shapes are checked on the first layer
+(every layer of a step has the same)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ablate.api.kv import KVView, view_problem
+from ablate.api.plugin import PluginError
+from ablate.api.slots import Attention, KVCache
+from ablate.api.step import StepInputs
+
+
+@dataclass
+class Forward:
+    step: StepInputs
+    kv_cache: KVCache
+    attention: Attention
+    checked_layer: int = 0      # the layer whose view and output shapes are checked
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVView:
+        """Write this step's k (T, H_kv, D_k), v (T, H_kv, D_v) of `layer`; return the layer's view."""
+        cache = self.kv_cache
+        try:
+            cache.write(layer, self.step, k, v)
+        except PluginError:
+            raise
+        except Exception as err:
+            raise PluginError(cache, "write", f"layer {layer}: {type(err).__name__}: {err}") from err
+        try:
+            view = cache.view(layer, self.step)
+        except PluginError:
+            raise
+        except Exception as err:
+            raise PluginError(cache, "view", f"layer {layer}: {type(err).__name__}: {err}") from err
+        if layer == self.checked_layer:
+            problem = view_problem(view, self.step, cache.spec)
+            if problem:
+                raise PluginError(cache, "view", f"layer {layer}: {problem}")
+        return view
+
+    def attend(self, layer: int, q: torch.Tensor, view: KVView) -> torch.Tensor:
+        """attention(q (T, H, D), view) -> (T, H, D_v), checked."""
+        try:
+            out = self.attention(q, view, self.step)
+        except PluginError:
+            raise
+        except Exception as err:
+            raise PluginError(self.attention, "__call__", f"layer {layer}: {type(err).__name__}: {err}") from err
+        if layer == self.checked_layer and (out.shape[:2] != q.shape[:2] or out.dtype != q.dtype):
+            raise PluginError(self.attention, "__call__", f"returned {tuple(out.shape)} {out.dtype} for queries "
+                              f"{tuple(q.shape)} {q.dtype}: expected (T, H, D_v) in the queries' dtype")
+        return out

@@ -1,0 +1,162 @@
+"""The report's tables: the summary every experiment gets, and the ones its results call for (KV
+bytes per token when arms differ in it; one per heading the plugins' stats declare)."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from ablate.analysis.stats import NOISY_CV
+from ablate.api.plugin import Stat
+from ablate.report.declared import Declarations
+
+# how the report names measured columns that a plugin's stat may predict
+MEASURED_LABELS = {"kv_util_mean": "KV util", "seqs_admitted_while_queued": "seqs at once",
+                   "kv_cache.kv_frag_slots_per_seq_mean": "waste/seq", "speedup": "speedup [95% CI]"}
+
+
+def _missing(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+def _mib(n: float) -> str:
+    return "-" if _missing(n) else f"{n / 2**20:,.1f}"
+
+
+def _ms(x: float) -> str:
+    return "-" if _missing(x) else f"{x:,.1f}"
+
+
+def _fmt(spec: str, suffix: str = ""):
+    """A formatter for a table cell: '-' for a missing value, else format(x, spec) + suffix."""
+    return lambda x: "-" if pd.isna(x) else format(x, spec) + suffix
+
+
+UNIT_FORMATS = {"": _fmt(",.3g"), "count": _fmt(",.0f"), "tokens": _fmt(",.1f"), "bytes": _mib, "ms": _ms,
+                "ratio": _fmt(".3f"), "fraction": _fmt(".0%"), "x": _fmt(".2f", "x"),
+                "text": lambda x: "-" if pd.isna(x) else str(x)}
+
+
+UNIT_LABELS = {"bytes": " (MiB)", "ms": " (ms)", "tokens": " (tokens)"}
+
+
+def format_stat(stat: Stat):
+    return UNIT_FORMATS[stat.unit]
+
+
+def _column(frame: pd.DataFrame, name: str) -> pd.Series:
+    return frame[name] if name in frame else pd.Series([math.nan] * len(frame), index=frame.index)
+
+
+def speedup_text(row: pd.Series) -> str:
+    if pd.isna(row.get("speedup")):
+        return "-" if row.get("status", "ok") == "ok" else str(row["status"]).upper()
+    return f"{row['speedup']:.2f}x [{row['speedup_ci_low']:.2f}, {row['speedup_ci_high']:.2f}]"
+
+
+def summary_table(summary: pd.DataFrame, point_keys: list[str]) -> pd.DataFrame:
+    """The columns a reader wants first: speedup with CI, prediction, throughput, latency, memory."""
+    table = pd.DataFrame({
+        **{k: summary[k] for k in point_keys},
+        "arm": summary["arm"],
+        "speedup [95% CI]": summary.apply(speedup_text, axis=1),
+        "predicted": _column(summary, "predicted_speedup").map(_fmt(".2f", "x")),
+        "tok/s": _column(summary, "output_throughput_tok_s").map(_fmt(",.1f")),
+        "TTFT p50 ms": _column(summary, "ttft_p50_ms").map(_ms),
+        "TPOT p50 ms": _column(summary, "tpot_p50_ms").map(_ms),
+        "step q1->q4 ms": [f"{_ms(a)} -> {_ms(b)}" for a, b in zip(_column(summary, "decode_step_q1_ms"),
+                                                                   _column(summary, "decode_step_q4_ms"))],
+        "peak mem MiB": _column(summary, "peak_memory_bytes").map(_mib),
+        "KV reserved MiB": _column(summary, "kv_reserved_peak_bytes").map(_mib),
+        "KV util": _column(summary, "kv_util_mean").map(_fmt(".0%")),
+        "CV": _column(summary, "duration_cv").map(_fmt(".1%")),
+    })
+    return table.assign(**_serving_columns(summary), **_status_column(summary))
+
+
+def _status_column(summary: pd.DataFrame) -> dict[str, list[str]]:
+    """Which arms failed or diverged, and why: shown whenever one did."""
+    status = _column(summary, "status").fillna("ok")
+    if (status == "ok").all():
+        return {}
+    detail = _column(summary, "status_detail").fillna("")
+    return {"status": [s if s == "ok" else f"{s.upper()}: {d}" for s, d in zip(status, detail)]}
+
+
+def _serving_columns(summary: pd.DataFrame) -> dict[str, list[str]]:
+    """Tail latency, queueing, goodput and preemptions where arms differ in their scheduler or one
+    preempted, and
+    the order requests finished in when arms differ in it on a small workload (the textbook case)."""
+    columns: dict[str, list[str]] = {}
+    schedulers_differ = _column(summary, "label").fillna("").str.contains("scheduler=").any()
+    preempted = (_column(summary, "preemptions").fillna(0) > 0).any()
+    if schedulers_differ or preempted or "goodput_req_s" in summary:
+        columns |= {"TTFT p99 ms": _column(summary, "ttft_p99_ms").map(_ms).tolist(),
+                    "TPOT p99 ms": _column(summary, "tpot_p99_ms").map(_ms).tolist(),
+                    "queue p99 ms": _column(summary, "queue_p99_ms").map(_ms).tolist(),
+                    "goodput req/s": _column(summary, "goodput_req_s").map(_fmt(".2f")).tolist(),
+                    "preempted": _column(summary, "preemptions").map(_fmt(".0f")).tolist()}
+    orders = summary["finish_order"] if "finish_order" in summary else pd.Series(dtype=object)
+    if orders.nunique() > 1 and orders.map(lambda o: isinstance(o, str) and len(o.split()) <= 8).all():
+        columns["finish order"] = orders.tolist()
+    return columns
+
+
+def plugin_tables(frame: pd.DataFrame, point_keys: list[str], declared: Declarations) -> dict[str, pd.DataFrame]:
+    """One table per heading the plugins' stats name, over the arms that report them. A stat that
+    predicts a measured column is shown beside it: "measured (predicted)"."""
+    headings: dict[str, list[tuple[str, Stat]]] = {}
+    for column, stat in declared.stats.items():
+        if stat.table and column in frame and frame[column].notna().any():
+            headings.setdefault(stat.table, []).append((column, stat))
+    tables = {}
+    for heading, columns in headings.items():
+        rows = frame[frame[[c for c, _ in columns]].notna().any(axis=1)]
+        table = pd.DataFrame({**{k: rows[k] for k in point_keys}, "arm": rows["arm"]})
+        for column, stat in columns:
+            label = stat.key + UNIT_LABELS.get(stat.unit, "")
+            values = rows[column].map(format_stat(stat))
+            measured = stat.predicts
+            if measured and measured in rows:
+                shown = (rows.apply(speedup_text, axis=1) if measured == "speedup"
+                         else rows[measured].map(_measured_format(measured, declared)))
+                label = f"{MEASURED_LABELS.get(measured, measured)} (predicted)"
+                values = [f"{m} ({p})" for m, p in zip(shown, values)]
+            table[label] = list(values)
+        tables[heading] = table
+    return tables
+
+
+def _measured_format(column: str, declared: Declarations):
+    if column in declared.stats:
+        return format_stat(declared.stats[column])
+    return _fmt(".0%") if column.startswith("kv_util") else _fmt(",.1f")
+
+
+def kv_table(frame: pd.DataFrame, point_keys: list[str]) -> pd.DataFrame | None:
+    """KV bytes per token, what the cache held and how many sequences it admitted, when the arms'
+    bytes per token differ (GQA, MQA, MLA, a compressed cache: the memory/concurrency/quality trade)."""
+    per_token = _column(frame, "kv_bytes_per_token")
+    if per_token.isna().all() or per_token.nunique() < 2:
+        return None
+    table = pd.DataFrame({
+        **{k: frame[k] for k in point_keys},
+        "arm": frame["arm"],
+        "KV bytes / token": per_token.map(_fmt(",.0f")),
+        "KV reserved MiB": _column(frame, "kv_reserved_peak_bytes").map(_mib),
+        "seqs at once (peak)": _column(frame, "seqs_admitted_max").map(_fmt(",.1f")),
+        "memory ratio": _column(frame, "memory_ratio").map(_fmt(".2f")),
+    })
+    if not _column(frame, "perplexity").isna().all():
+        table["perplexity"] = _column(frame, "perplexity").map(_fmt(".3f"))
+    return table
+
+
+def noise_notes(summary: pd.DataFrame, point_keys: list[str]) -> list[str]:
+    """One warning per arm and point whose run times varied more than NOISY_CV across repeats."""
+    notes = []
+    for _, row in summary[_column(summary, "noisy").fillna(False).astype(bool)].iterrows():
+        where = " ".join(f"{k}={row[k]}" for k in point_keys)
+        notes.append(f"**warning**: arm {row['arm']}{' at ' + where if where else ''}: run-time CV "
+                     f"{row['duration_cv']:.0%} is above {NOISY_CV:.0%}; the machine was noisy, treat it with care")
+    return notes

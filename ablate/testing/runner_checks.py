@@ -1,0 +1,75 @@
+"""Checks through the runner alone (kv_cache, attention and variant plugins), by teacher forcing: the
+same texts fed token by token, as decoding would feed what it emits (ablate.engine.teacher).
+
+- batch invariance: a sequence's logits do not depend on its batch mates. Texts run all at once
+  must give what each gives alone, for exact and lossy plugins alike (a cache that hands sequence b
+  another sequence's K/V fails it however it approximates);
+- exactness: an exact plugin's logits equal the baseline runner's at every position (a cache that
+  writes a position late, forgets decode tokens or a layer fails it, even where greedy tokens agree).
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ablate.api.context import EngineConfig
+from ablate.api.plugin import PluginError, Slot
+from ablate.engine.registry import Registry
+from ablate.engine.teacher import teacher_forced_logits
+from ablate.model.llama import LlamaModel
+from ablate.testing.scenarios import ConformanceError, arm_spec, build
+
+TEXT_LENGTHS = [(20, 6), (13, 2), (25, 11), (9, 4)]    # (tokens, prefill): ragged prompts and lengths
+RELATIVE_TOLERANCE = 1e-3   # of the largest |logit|: rounding between implementations, far below a bug
+
+
+def texts(vocab_size: int, seed: int = 1) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n, _ in TEXT_LENGTHS], [p for _, p in TEXT_LENGTHS]
+
+
+def forced(registry: Registry, spec: dict, model: LlamaModel, batch: list[list[int]], prefill: list[int]
+           ) -> list[torch.Tensor]:
+    built = build(registry, spec, model, EngineConfig(max_num_seqs=len(batch)), max(len(t) for t in batch))
+    try:
+        return teacher_forced_logits(built.engine.runner, batch, prefill)
+    finally:
+        built.close()
+
+
+def _far(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float, tuple[int, ...]]:
+    diff = (a - b).abs()
+    scale = max(1.0, float(b.abs().max()))
+    worst = int(diff.argmax())
+    return bool(diff.max() > RELATIVE_TOLERANCE * scale), float(diff.max()), divmod(worst, a.shape[-1])
+
+
+def check_runner(registry: Registry, slot: Slot, name: str, model: LlamaModel) -> None:
+    if slot not in (Slot.KV_CACHE, Slot.ATTENTION, Slot.MODEL):
+        return
+    plugin = f"{slot.value}={name}"
+    spec = arm_spec(registry, slot, name)
+    batch, prefill = texts(model.config.vocab_size)
+    try:
+        together = forced(registry, spec, model, batch, prefill)
+        alone = [forced(registry, spec, model, [t], [p])[0] for t, p in zip(batch, prefill)]
+    except PluginError as err:
+        raise ConformanceError(f"{plugin} fails the kit under teacher forcing: {err}") from err
+    for i, (a, b) in enumerate(zip(together, alone)):
+        far, diff, (row, _) = _far(a, b)
+        if far:
+            raise ConformanceError(
+                f"{plugin} breaks batch invariance: text {i}'s logits at position {prefill[i] + row} differ by "
+                f"{diff:.3g} when it runs beside {len(batch) - 1} other texts rather than alone: a sequence must "
+                "only ever see its own K/V")
+    if not registry.get(slot, name).exact:
+        return
+    baseline = forced(registry, {}, model, batch, prefill)
+    for i, (a, b) in enumerate(zip(together, baseline)):
+        far, diff, (row, _) = _far(a, b)
+        if far:
+            raise ConformanceError(
+                f"{plugin} is declared exact but its logits differ from the baseline's by {diff:.3g} at position "
+                f"{prefill[i] + row} of text {i} (teacher forcing; rounding allows {RELATIVE_TOLERANCE:g} of the "
+                "largest logit): a K/V written at the wrong position, a token or layer not stored, or a wrong view")

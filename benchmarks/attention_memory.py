@@ -29,16 +29,17 @@ import statistics
 import pandas as pd
 import torch
 
-from ablate.measure import device as dev
-from ablate.analysis.attention_io import AttentionShape, materialised_bytes, sdpa_bytes, tiled_bytes, triton_flash_block_m
-from ablate.api.step import StepInputs
+from ablate.analysis.attention_io import (AttentionShape, materialised_bytes, sdpa_bytes, tiled_bytes,
+                                          triton_flash_block_m)
 from ablate.api.context import BuildContext, EngineConfig, KVSpec
 from ablate.api.kv import PackedKV
+from ablate.api.plugin import Slot
+from ablate.api.sequence import Request, Sequence
+from ablate.api.step import StepInputs
+from ablate.engine.registry import default_registry
+from ablate.measure import device as dev
 from ablate.measure.memory import peak_memory_of
 from ablate.model.config import DTYPES
-from ablate.api.plugin import Slot
-from ablate.engine.registry import default_registry
-from ablate.api.sequence import Request, Sequence
 from ablate.report.table_run import open_run_folder, store_tables
 from ablate.report.wandb_log import WandbConfig
 from ablate_attention.sdpa import sdpa_backend
@@ -97,7 +98,7 @@ def measure(args: argparse.Namespace) -> pd.DataFrame:
             for impl, plugin in plugins.items():
                 gc.collect()
                 step = prefill_step(n, device)
-                _, peak = peak_memory_of(lambda: plugin(q, view, step), device)
+                _, peak = peak_memory_of(lambda: plugin(q, view, step), device)  # noqa: F821 (deleted after use below)
                 shape = AttentionShape(n, args.heads, args.kv_heads, args.head_dim, dtype.itemsize)
                 moved = predicted_bytes(impl, plugin, shape, sdpa_choice, device.type)
                 median = statistics.median(times[impl])

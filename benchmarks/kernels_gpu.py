@@ -113,7 +113,7 @@ def bench_prefill(args) -> list[dict]:
             cu = torch.tensor([0, seqlen], device=DEVICE, dtype=torch.int32)  # (B+1,)
 
             def triton_call():
-                return ablate_kernels.flash_attention_varlen(q, k, v, cu, cu, seqlen, seqlen, causal=True)
+                return ablate_kernels.flash_attention_varlen(q, k, v, cu, cu, seqlen, seqlen, causal=True)  # noqa: F821 (deleted after use below)
 
             out = triton_call()
             triton_ms = time_ms(triton_call, args.warmup, args.repeats)

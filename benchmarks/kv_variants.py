@@ -36,17 +36,17 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from ablate.measure import device as dev
 from ablate.analysis.analytic import kv_bytes_per_token
-from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.api.context import BuildContext, EngineConfig, KVSpec
+from ablate.api.plugin import Slot
+from ablate.api.sequence import Request, Sequence
 from ablate.checkpoints.loader import load_model
+from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
+from ablate.engine.registry import Registry, default_registry
+from ablate.measure import device as dev
+from ablate.measure.recorder import Recorder
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
-from ablate.api.plugin import Slot
-from ablate.measure.recorder import Recorder
-from ablate.engine.registry import Registry, default_registry
-from ablate.api.sequence import Request, Sequence
 from ablate.report.table_run import open_run_folder, store_tables
 from ablate.report.wandb_log import WandbConfig
 

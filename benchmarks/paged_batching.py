@@ -27,14 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ablate.measure import device as dev
 from ablate.analysis.analytic import kv_bytes_per_token
-from ablate.engine.arm import baseline_configs, resolve_arm
 from ablate.api.context import EngineConfig
-from ablate.experiment.run import run_once
 from ablate.checkpoints.loader import load_model
-from ablate.model.config import preset
+from ablate.engine.arm import baseline_configs, resolve_arm
 from ablate.engine.registry import default_registry
+from ablate.experiment.run import run_once
+from ablate.measure import device as dev
+from ablate.model.config import preset
 from ablate.workload.requests import WorkloadConfig, make_requests
 
 BUDGET_SEQS = 8     # the budget holds this many sequences of the maximum length

@@ -12,22 +12,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import numpy as np
 
-import time
-
 from ablate.analysis.analytic import CostModel
-from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
-from ablate.api.context import EngineConfig
-from ablate.experiment.run import run_once
-from ablate.checkpoints.loader import load_model
-from ablate.model.config import preset
-from ablate.engine.registry import default_registry
 from ablate.analysis.stats import ratio_summary
-from ablate.measure.recorder import Recorder, StepHook
-from ablate.workload.requests import WorkloadConfig, make_requests
+from ablate.api.context import EngineConfig
+from ablate.checkpoints.loader import load_model
+from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
+from ablate.engine.registry import default_registry
+from ablate.experiment.run import run_once
 from ablate.measure import device as dev
+from ablate.measure.recorder import Recorder, StepHook
+from ablate.model.config import preset
+from ablate.workload.requests import WorkloadConfig, make_requests
 
 
 class TimedHooks(StepHook):

@@ -33,14 +33,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ablate.measure import device as dev
-from ablate.engine.arm import Arm, baseline_configs, resolve_arm
 from ablate.api.context import EngineConfig
-from ablate.experiment.run import run_once
-from ablate.checkpoints.loader import load_model
-from ablate.model.config import preset
-from ablate.engine.registry import Registry, default_registry
 from ablate.api.sequence import Request
+from ablate.checkpoints.loader import load_model
+from ablate.engine.arm import Arm, baseline_configs, resolve_arm
+from ablate.engine.registry import Registry, default_registry
+from ablate.experiment.run import run_once
+from ablate.measure import device as dev
+from ablate.model.config import preset
 from ablate.results import environment
 from ablate_decoding.spec_stats import expected_tokens_per_pass
 

@@ -18,15 +18,15 @@ import time
 import numpy as np
 import torch
 
-from ablate.measure import hardware
-from ablate.engine.arm import baseline_configs, resolve_arm
-from ablate.api.context import EngineConfig
-from ablate.checkpoints.loader import checkpoint_path, load_model, load_tokenizer
-from ablate.experiment.run import run_once
-from ablate.model.config import preset
-from ablate.engine.registry import default_registry
-from ablate.api.sequence import Request
 from ablate.analysis.stats import ratio_summary
+from ablate.api.context import EngineConfig
+from ablate.api.sequence import Request
+from ablate.checkpoints.loader import checkpoint_path, load_model, load_tokenizer
+from ablate.engine.arm import baseline_configs, resolve_arm
+from ablate.engine.registry import default_registry
+from ablate.experiment.run import run_once
+from ablate.measure import hardware
+from ablate.model.config import preset
 from ablate.workload.text import text_prompts
 
 

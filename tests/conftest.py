@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
 from ablate.api.context import EngineConfig
+from ablate.api.sequence import Request, SamplingParams
+from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
+from ablate.engine.registry import Registry, default_registry
+from ablate.measure.recorder import Recorder
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
-from ablate.measure.recorder import Recorder
-from ablate.engine.registry import Registry, default_registry
-from ablate.api.sequence import Request, SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,14 +7,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ablate.experiment import job
 from ablate.analysis.contributions import contributions, interacts
-from ablate.experiment.ablation import ARMS_TABLE, OverrideConflict, arm_spec, arm_table, parse_ablation, plan, plan_arms
-from ablate.report.ablation import section
+from ablate.api.plugin import Slot
 from ablate.engine.arm import baseline_configs
+from ablate.experiment import job
+from ablate.experiment.ablation import (ARMS_TABLE, OverrideConflict, arm_spec, arm_table, parse_ablation, plan,
+                                        plan_arms)
 from ablate.experiment.config import ExperimentConfig
 from ablate.experiment.job import run_job
-from ablate.api.plugin import Slot
+from ablate.report.ablation import section
 
 TECHNIQUES = {
     "kv_cache": {"overrides": {"kv_cache": "contiguous"}},

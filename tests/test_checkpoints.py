@@ -18,8 +18,8 @@ import torch
 from ablate.checkpoints import load_model
 from ablate.checkpoints import loader as loader_mod
 from ablate.checkpoints.gguf import read_gguf
-from ablate.model.config import ModelConfig, preset
 from ablate.measure.quality import sequence_logits
+from ablate.model.config import ModelConfig, preset
 
 transformers = pytest.importorskip("transformers")
 

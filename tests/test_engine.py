@@ -4,12 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ablate.api.sampling import probabilities
+from ablate.api.sequence import Request, SamplingParams, Sequence
 from ablate.api.step import Batch
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
-from ablate.api.sequence import Request, SamplingParams, Sequence
-from ablate.api.sampling import probabilities
-
 
 PROMPT_LENS = [3, 11, 17, 30]
 MAX_NEW = [9, 4, 13, 6]          # every sequence finishes at a different step

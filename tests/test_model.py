@@ -7,17 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ablate.api import BuildContext, EngineConfig, KVSpec
+from ablate.api.kv import PackedKV, PaddedKV
+from ablate.api.sequence import Request, Sequence
+from ablate.api.step import Batch, StepInputs
 from ablate.baselines.naive_attention import NaiveAttention, NaiveAttentionConfig
 from ablate.baselines.no_cache import NoKVCache, NoKVCacheConfig
-from ablate.api.step import Batch, StepInputs
 from ablate.experiment.config import build as build_dataclass
-from ablate.api.kv import PackedKV, PaddedKV
 from ablate.model.config import PRESETS, ModelConfig, preset
 from ablate.model.forward import Forward
 from ablate.model.llama import LlamaModel
-from ablate.api import BuildContext, EngineConfig, KVSpec
-from ablate.api.sequence import Request, Sequence
-
 
 
 def unique_params(model: torch.nn.Module) -> int:

@@ -13,17 +13,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import ablate.experiment.job
 import ablate.engine.registry as registry_mod
-from ablate.engine.arm import baseline_configs, resolve_arm
-from ablate.baselines import NaiveAttention
-from ablate.model.llama import LlamaModel
+import ablate.experiment.job
 from ablate.api.plugin import PluginConfig, Requirement, Slot
-from ablate.engine.arm import IncompatiblePlugins, check_compatible
+from ablate.baselines import NaiveAttention
+from ablate.engine.arm import IncompatiblePlugins, baseline_configs, check_compatible, resolve_arm
 from ablate.engine.registry import GROUP, PluginInfo, Registry, UnknownPlugin, discover
+from ablate.model.llama import LlamaModel
 from ablate_kv_cache.contiguous import ContiguousKVCache
 from ablate_kv_cache.dynamic import DynamicKVCache
-
 
 BUILT_INS = {
     ("variant", "none"): "ablate",

@@ -8,13 +8,12 @@ import math
 import pytest
 import torch
 
-from ablate.checkpoints import load_model, load_tokenizer
 from ablate.checkpoints import gguf as gguf_ckpt
+from ablate.checkpoints import load_model, load_tokenizer
+from ablate.measure.quality import perplexity, sequence_logits, token_nlls
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
-from ablate.measure.quality import perplexity, sequence_logits, token_nlls
 from ablate.workload.text import heldout_tokens
-
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +61,9 @@ def test_bad_windows_are_refused(tiny):
 
 def no_init_weights():
     try:
-        from transformers.initialization import no_init_weights as skip          # transformers 5
+        from transformers.initialization import no_init_weights as skip  # transformers 5
     except ImportError:
-        from transformers.modeling_utils import no_init_weights as skip           # transformers 4
+        from transformers.modeling_utils import no_init_weights as skip  # transformers 4
     return skip()
 
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ablate.baselines.no_cache import NoKVCache
-from ablate.api.step import StepInputs
 from ablate.api.plugin import PluginConfig, QualityBound, Slot
-from ablate.measure.quality import perplexity, runner_perplexity
+from ablate.api.step import StepInputs
+from ablate.baselines.no_cache import NoKVCache
 from ablate.engine.registry import PluginInfo, Registry
+from ablate.measure.quality import perplexity, runner_perplexity
 from ablate.testing.declarations import check_declarations
 from ablate.testing.quality import arm_perplexity, check_quality, sampled_text
 
@@ -52,8 +52,8 @@ def test_runner_perplexity_of_the_baseline_is_the_models(ablate_tiny_model, regi
 
 
 def test_runner_perplexity_scores_only_after_the_prefill(ablate_tiny_model, registry):
-    from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
     from ablate.api.context import EngineConfig
+    from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
     from ablate.measure.quality import token_nlls
 
     ids = sampled_text(registry, ablate_tiny_model, 30)

@@ -9,12 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ablate.analysis.stats import bootstrap_ci, coefficient_of_variation, ratio_summary
 from ablate.experiment.job import NOT_MEASURED, run_job
 from ablate.measure.metrics import goodput, kv_utilisation, request_table, summarise
 from ablate.measure.recorder import Recorder, RequestRecord, StepRecord
 from ablate.results import config_hash, load, runs_under
-from ablate.analysis.stats import bootstrap_ci, coefficient_of_variation, ratio_summary
-
 
 SMALL = ["experiment.repeats=2", "experiment.warmup=0", "workload.num_requests=2", "workload.prompt_len=8",
          "workload.output_len=4"]

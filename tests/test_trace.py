@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from ablate.workload.trace import read_trace
 from ablate.workload.requests import TEXTBOOK_OUTPUT_LENS, WorkloadConfig, make_requests
+from ablate.workload.trace import read_trace
 
 
 def write(tmp_path, lines: list[str]):

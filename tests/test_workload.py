@@ -10,7 +10,6 @@ from ablate.experiment.config import build
 from ablate.workload.requests import LENGTH_DISTS, WorkloadConfig, make_requests
 
 
-
 def lengths(requests) -> tuple[np.ndarray, np.ndarray]:
     return (np.array([len(r.prompt_token_ids) for r in requests]),
             np.array([r.max_new_tokens for r in requests]))

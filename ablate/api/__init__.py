@@ -12,12 +12,13 @@ from ablate.api.clock import now
 from ablate.api.context import BuildContext, EngineConfig
 from ablate.api.executor import Executor, ModelSession
 from ablate.api.kv import KVBudgetConfig, KVSpec, KVView, PackedKV, PaddedKV, PagedKV, budget_bytes
+from ablate.api.kv_cache import KVCache
 from ablate.api.packing import causal_mask, pad_queries, unpad_queries
-from ablate.api.rows import RowBuffers
 from ablate.api.plugin import Plugin, PluginConfig, PluginError, QualityBound, Requirement, Slot, Stat, StatFigure
+from ablate.api.rows import RowBuffers
 from ablate.api.sampling import Sampler, probabilities
 from ablate.api.sequence import Request, SamplingParams, Sequence, Status
-from ablate.api.slots import Attention, Decoding, KVCache, ModelVariant, Scheduler
+from ablate.api.slots import Attention, Decoding, ModelVariant, Scheduler
 from ablate.api.step import Batch, StepInputs, StepLogits
 
 __all__ = [

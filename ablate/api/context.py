@@ -12,7 +12,8 @@ from ablate.api.kv import KVSpec
 
 if TYPE_CHECKING:
     from ablate.api.executor import ModelSession
-    from ablate.api.slots import Attention, KVCache
+    from ablate.api.kv_cache import KVCache
+    from ablate.api.slots import Attention
 
 
 @dataclass(frozen=True)

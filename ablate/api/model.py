@@ -14,9 +14,9 @@ from ablate.measure.quality import sequence_logits
 from ablate.model.config import PRESETS, ModelConfig, preset
 from ablate.model.linear import Linear
 from ablate.model.llama import LlamaModel, SelfAttention
+from ablate.model.mla import MultiHeadLatentAttention, set_absorbed
 from ablate.model.rope import RotaryEmbedding, apply_rope, llama3_scaled_inv_freq
 from ablate.workload.text import calibration_text
-from ablate.model.mla import MultiHeadLatentAttention, set_absorbed
 
 __all__ = ["PRESETS", "Linear", "LlamaModel", "ModelConfig", "MultiHeadLatentAttention", "RotaryEmbedding",
            "SelfAttention", "apply_rope", "calibration_text", "llama3_scaled_inv_freq", "load_model",

@@ -13,176 +13,27 @@ One engine step, and who calls what:
     scheduler.finish_step(batch)           releases the room of finished sequences (policy: when)
 
 A Sequence is only ever changed by the core (ablate.api.sequence); plugins read it. A cache's
-bookkeeping of room and committed tokens lives in this base class, so a cache plugin implements
-storage and room policy only. Everything is designed for ragged batches whose sequences join and
+bookkeeping of room and committed tokens lives in its base class (ablate/api/kv_cache.py), so a
+cache plugin implements storage and room policy only. Everything is designed for ragged batches whose sequences join and
 leave every step, steps that mix prompt chunks with decode tokens, and K/V that is rolled back
 (speculative decoding rejects drafts).
 """
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 
 from ablate.api.executor import Executor
-from ablate.api.kv import KVSpec, KVView
+from ablate.api.kv import KVView
+from ablate.api.kv_cache import KVCache
 from ablate.api.plugin import Plugin, PluginConfig, PluginError, Slot
 from ablate.api.sequence import Sequence, Status
 from ablate.api.step import Batch, StepInputs
 
 if TYPE_CHECKING:
     from ablate.api.context import BuildContext
-
-
-class KVCache(Plugin):
-    """Holds each running sequence's keys and values.
-
-    Called by the core (final: a plugin does not override these):
-      allocate(seq, n, lookahead) -> bool  scheduler helpers: room for the sequence's first
-                                           computed + n + lookahead tokens; the first call admits it
-      begin_step(step)                     runner: before a forward pass
-      commit(seq, num_tokens)              engine: after a step, the first num_tokens are final
-      release(seq)                         scheduler helpers: finished or preempted
-      room(seq), num_committed(), room_holders()   what the core allocated and committed
-    Implemented by the plugin (in that order of the lifecycle):
-      reserve(seq, num_tokens) -> bool     room for the first num_tokens tokens; False, changing
-                                           nothing, when there is none
-      prepare(step) -> kv_lens | None      map this step's tokens to storage (once per forward pass)
-      write(layer, step, k, v)             store this step's K/V of one layer
-      view(layer, step) -> KVView          what attention reads for that layer
-      keep(seq, num_tokens)                drop anything past the first num_tokens (rejected drafts)
-      free(seq)                            give back everything the sequence holds
-      bytes_reserved()                     bytes held for K/V now
-    and may override num_cached_tokens (prefix caching), bytes_used, bytes_per_token and
-    num_seqs_admitted when its storage differs from the defaults.
-    """
-
-    slot = Slot.KV_CACHE
-    keeps_kv: ClassVar[bool] = True   # False: nothing is kept, the runner feeds each whole prefix every step
-
-    def __init__(self, config: PluginConfig, ctx: BuildContext) -> None:
-        super().__init__(config, ctx)
-        self.spec: KVSpec = ctx.kv_spec
-        self._room: dict[int, int] = {}        # seq_id -> tokens allocated (written this step at most)
-        self._committed: dict[int, int] = {}   # seq_id -> tokens whose K/V is final
-
-    # -- called by the core ------------------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead_tokens: int = 0) -> bool:
-        """Room for `seq`'s first num_computed + num_new + num_lookahead tokens; False: none, nothing changed.
-
-        A sequence the cache does not hold yet is admitted; with prefix caching its first
-        seq.num_computed_tokens tokens (set by the scheduler from num_cached_tokens) are the cached ones.
-        """
-        need = seq.num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        if num_new_tokens < 1 or num_lookahead_tokens < 0:
-            raise PluginError("scheduler", "allocate", f"sequence {seq.seq_id}: num_new_tokens must be >= 1 and "
-                              f"num_lookahead_tokens >= 0, got {num_new_tokens}, {num_lookahead_tokens}")
-        if need > self.spec.max_seq_len:
-            raise PluginError("scheduler", "allocate", f"sequence {seq.seq_id} would hold {need} tokens, more than "
-                              f"the {self.spec.max_seq_len} the cache was built for (max_num_tokens - 1 at most)")
-        held = self._room.get(seq.seq_id)
-        if held is not None and need <= held:
-            return True
-        if not self.reserve(seq, need):
-            return False
-        self._room[seq.seq_id] = need
-        self._committed.setdefault(seq.seq_id, seq.num_computed_tokens)
-        return True
-
-    def begin_step(self, step: StepInputs) -> StepInputs:
-        """Runner, once per forward pass: prepare(), and the keys each sequence's view will hold."""
-        kv_lens = self.prepare(step)
-        if kv_lens is None:
-            return step
-        if len(kv_lens) != step.num_seqs:
-            raise PluginError(self, "prepare", f"returned {len(kv_lens)} kv_lens for {step.num_seqs} sequences")
-        step.kv_lens = list(kv_lens)
-        step.kv_lens_t = torch.tensor(step.kv_lens, dtype=torch.int32, device=step.input_ids.device)
-        return step
-
-    def commit(self, seq: Sequence, num_tokens: int) -> None:
-        """Engine, after every step that fed `seq`: its first `num_tokens` tokens are final."""
-        room = self._room.get(seq.seq_id)
-        if room is None or not 0 <= num_tokens <= room:
-            raise PluginError("engine", "commit", f"sequence {seq.seq_id}: {num_tokens} tokens committed to {self}, "
-                              f"which holds room for {room or 0}")
-        self.keep(seq, num_tokens)
-        self._committed[seq.seq_id] = num_tokens
-        self._room[seq.seq_id] = num_tokens
-
-    def release(self, seq: Sequence) -> None:
-        """Scheduler helpers: the sequence finished or was preempted; frees what it holds."""
-        if self._room.pop(seq.seq_id, None) is None:
-            return
-        del self._committed[seq.seq_id]
-        self.free(seq)
-
-    def room(self, seq: Sequence) -> int:
-        """Tokens allocated for `seq` (0: it holds nothing)."""
-        return self._room.get(seq.seq_id, 0)
-
-    def num_committed(self) -> dict[int, int]:
-        """seq_id -> tokens committed, for every sequence the cache holds (a copy)."""
-        return dict(self._committed)
-
-    def room_holders(self) -> list[int]:
-        """The sequences the core allocated room for and has not released."""
-        return list(self._room)
-
-    # -- implemented by the plugin -----------------------------------------------------------------
-    @abstractmethod
-    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        """Make sure `seq` can hold its first `num_tokens` tokens; return False, changing nothing,
-        when there is no room. The first call for a sequence admits it (contiguous: a row of the
-        maximum length; paged: its blocks); later calls grow it. Called only through allocate()."""
-
-    @abstractmethod
-    def free(self, seq: Sequence) -> None:
-        """Give back everything `seq` holds; another sequence may take it at the next allocate."""
-
-    def keep(self, seq: Sequence, num_tokens: int) -> None:
-        """Only the first `num_tokens` tokens of `seq` are final: what was written past them (drafts
-        the target rejected) is forgotten, and room past them may be given back. The next step
-        writes from position num_tokens on. Called after every step that fed `seq`."""
-
-    def num_cached_tokens(self, seq: Sequence) -> int:
-        """Leading tokens of a waiting `seq` whose K/V the cache holds already (prefix caching): the
-        scheduler counts them as computed when it admits the sequence. Must leave its last token out."""
-        return 0
-
-    def prepare(self, step: StepInputs) -> list[int] | None:
-        """Map this step's tokens to storage (sequence b writes positions context_lens[b] -
-        query_lens[b] ... context_lens[b] - 1). Return how many keys each sequence's view holds when
-        that is not context_lens (a cache that evicts); None otherwise."""
-        return None
-
-    @abstractmethod
-    def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store this step's new keys and values of `layer`, k (T, H_kv, D_k) and v (T, H_kv, D_v),
-        packed like the queries, at their sequences' positions."""
-
-    @abstractmethod
-    def view(self, layer: int, step: StepInputs) -> KVView:
-        """What attention reads for `layer` after write(): every sequence's keys in batch order, this
-        step's included, kv_lens[b] of them, in the model's dtype."""
-
-    @abstractmethod
-    def bytes_reserved(self) -> int:
-        """Bytes held for K/V now, for the sequences or up front."""
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token's K/V takes in this cache's storage (override when storing compressed)."""
-        return self.spec.bytes_per_token
-
-    def bytes_used(self) -> int:
-        """Live tokens x bytes per token: by default every committed token of every sequence held."""
-        return sum(self._committed.values()) * self.bytes_per_token
-
-    def num_seqs_admitted(self) -> int:
-        """Sequences holding room now (admitted, not yet released): what a budget limits."""
-        return len(self._room)
 
 
 class Attention(Plugin):

@@ -12,9 +12,9 @@ import torch
 
 from ablate.checkpoints import gguf as gguf_ckpt
 from ablate.checkpoints import hf as hf_ckpt
+from ablate.checkpoints.tokenizer import Tokenizer
 from ablate.model.config import ModelConfig
 from ablate.model.llama import LlamaModel
-from ablate.checkpoints.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,9 @@ from typing import Any
 
 from ablate.api.context import BuildContext, EngineConfig
 from ablate.api.kv import KVSpec
+from ablate.api.kv_cache import KVCache
 from ablate.api.plugin import Plugin, PluginConfig, PluginError, Slot
-from ablate.api.slots import Attention, Decoding, KVCache, ModelVariant, Scheduler
+from ablate.api.slots import Attention, Decoding, ModelVariant, Scheduler
 from ablate.engine.engine import Engine
 from ablate.engine.registry import Registry
 from ablate.engine.runner import ModelRunner
@@ -165,4 +166,4 @@ def build_arm(arm: Arm, model: LlamaModel, engine: EngineConfig, max_seq_len: in
     runner = ModelRunner(model, kv_cache, attention, decoding_name=str(decoding))
     plugins = {Slot.MODEL: variant, Slot.KV_CACHE: kv_cache, Slot.ATTENTION: attention,
                Slot.SCHEDULER: scheduler, Slot.DECODING: decoding}
-    return BuiltArm(Engine(runner, scheduler, decoding, hooks_for(kv_cache)), plugins)
+    return BuiltArm(Engine(runner, scheduler, decoding, engine, hooks_for(kv_cache)), plugins)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 
+from ablate.api.context import EngineConfig
 from ablate.api.plugin import PluginError
 from ablate.api.sequence import Request, Sequence, Status
 from ablate.api.slots import Decoding, Scheduler
@@ -24,14 +26,16 @@ MAX_IDLE_WAIT_S = 3600.0    # an arrival further away than this is a malformed w
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, decoding: Decoding,
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, decoding: Decoding, config: EngineConfig,
                  hooks: Iterable[StepHook] = ()) -> None:
+        self.config = config            # the limits every batch is checked against (not the scheduler's copy)
         self.runner = runner
         self.kv_cache = runner.kv_cache
         self.scheduler = scheduler
         self.decoding = decoding
         self.hooks = list(hooks)
         self.device = runner.device
+        self.seqs: dict[int, Sequence] = {}     # every sequence of the current run, by id
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self, batch: Batch) -> list[Sequence]:
@@ -59,20 +63,23 @@ class Engine:
 
     def checked(self, batch: Batch) -> Batch:
         """The scheduler's batch, checked, with the draft room the cache holds beyond its new tokens."""
-        sched = self.scheduler
+        sched, limits = self.scheduler, self.config
         if not batch.seqs:
             raise PluginError(sched, "next_batch", "returned an empty batch (return None when nothing can run)")
-        if len(batch) > sched.max_num_seqs:
+        if len(batch) > limits.max_num_seqs:
             raise PluginError(sched, "next_batch", f"a batch of {len(batch)} sequences exceeds "
-                              f"engine.max_num_seqs={sched.max_num_seqs}")
-        if batch.num_tokens > sched.max_num_batched_tokens:
+                              f"engine.max_num_seqs={limits.max_num_seqs}")
+        if batch.num_tokens > limits.max_num_batched_tokens:
             raise PluginError(sched, "next_batch", f"a batch of {batch.num_tokens} tokens exceeds "
-                              f"engine.max_num_batched_tokens={sched.max_num_batched_tokens}")
+                              f"engine.max_num_batched_tokens={limits.max_num_batched_tokens}")
         if len({s.seq_id for s in batch.seqs}) != len(batch):
             raise PluginError(sched, "next_batch", "a sequence appears twice in one batch")
-        if self.kv_cache.num_seqs_admitted() > sched.max_num_seqs:
-            raise PluginError(sched, "next_batch", f"{self.kv_cache.num_seqs_admitted()} sequences hold room, "
-                              f"more than engine.max_num_seqs={sched.max_num_seqs}")
+        holders = self.kv_cache.room_holders()
+        if len(holders) > limits.max_num_seqs:
+            done = sorted(i for i in holders if i in self.seqs and self.seqs[i].is_finished)
+            raise PluginError(sched, "next_batch", f"{len(holders)} sequences hold room, more than "
+                              f"engine.max_num_seqs={limits.max_num_seqs}" + (
+                                  f"; {done} finished but still hold it (finish_step must release them)" if done else ""))
         lookahead = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.status is not Status.RUNNING:
@@ -128,6 +135,7 @@ class Engine:
                              f"start (more than {MAX_IDLE_WAIT_S:.0f} s): are its arrival times absolute (Unix "
                              "time)? They are seconds after the workload starts")
         seqs: list[Sequence] = []
+        self.seqs = {}
         t0 = dev.now(self.device)
         steps_without_output, patience = 0, self._patience(requests)
         while pending or self.scheduler.has_unfinished():
@@ -135,6 +143,7 @@ class Engine:
             while pending and pending[0].arrival_time <= elapsed:
                 seq = Sequence(pending.pop(0))
                 seqs.append(seq)
+                self.seqs[seq.seq_id] = seq
                 self.scheduler.add(seq)
                 for hook in self.hooks:
                     hook.on_arrival(seq, t0 + seq.request.arrival_time)
@@ -165,7 +174,15 @@ class Engine:
         ids = [s.seq_id for s in stuck]
         if not stuck:
             return PluginError(self.scheduler, "has_unfinished", "says sequences remain but every one has finished")
-        if self.kv_cache.num_seqs_admitted() == 0:
+        holders = self.kv_cache.room_holders()
+        done = sorted(i for i in holders if i in self.seqs and self.seqs[i].is_finished)
+        if done and len(done) == len(holders):
+            return PluginError(self.scheduler, "finish_step", f"sequences {done} finished but still hold room while "
+                               f"sequences {ids} wait: finish_step must release them")
+        if self.kv_cache.num_seqs_admitted() > len(holders):
+            return PluginError(self.kv_cache, "free", f"reports {self.kv_cache.num_seqs_admitted()} sequences admitted "
+                               f"but only {len(holders)} were not released: free() must give back what a sequence held")
+        if not holders:
             probe = stuck[0]
             if probe.status is Status.WAITING and self.kv_cache.allocate(probe, probe.num_tokens):
                 self.kv_cache.release(probe)
@@ -185,9 +202,12 @@ class Engine:
         if self.scheduler.has_unfinished():
             raise PluginError(self.scheduler, "has_unfinished", "still True after every sequence finished")
         cache = self.kv_cache
-        if cache.num_seqs_admitted() or cache.room_holders():
-            raise PluginError(cache, "release", f"after the run it still holds {cache.num_seqs_admitted()} sequences "
-                              f"(room held for {sorted(cache.room_holders())}): finished sequences must be released")
+        if cache.room_holders():
+            raise PluginError(self.scheduler, "finish_step", f"sequences {sorted(cache.room_holders())} finished but "
+                              "their room was never released")
+        if cache.num_seqs_admitted():
+            raise PluginError(cache, "free", f"reports {cache.num_seqs_admitted()} sequences admitted after every "
+                              "sequence was released: free() must give back what a sequence held")
         if cache.bytes_used():
             raise PluginError(cache, "bytes_used", f"reports {cache.bytes_used()} bytes used after every sequence "
                               "was released")

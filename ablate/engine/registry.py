@@ -11,8 +11,8 @@ import os
 import warnings
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 
 from ablate.api.plugin import Plugin, PluginConfig, Slot
 
@@ -41,6 +41,18 @@ class Registry:
         self.plugins: dict[tuple[Slot, str], type[Plugin]] = {
             (i.cls.slot, i.cls.name): i.cls for i in infos if i.status == "loaded" and i.cls is not None
         }
+
+    def with_plugins(self, *classes: type[Plugin]) -> Registry:
+        """This registry plus plugin classes not installed as packages: a plugin under test (the
+        conformance kit runs on it before it is packaged)."""
+        infos = []
+        for cls in classes:
+            problem = _check_plugin_class(cls)
+            if problem:
+                raise ValueError(f"{cls!r} is not a valid plugin: {problem}")
+            infos.append(PluginInfo(f"{cls.slot.value}.{cls.name}", f"{cls.__module__}:{cls.__qualname__}",
+                                    "(not installed)", "loaded", cls.slot.value, cls.name, cls))
+        return Registry([*self.infos, *infos])
 
     def choices(self, slot: Slot) -> list[str]:
         return sorted(name for s, name in self.plugins if s is slot)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from ablate.api.kv_cache import KVCache
 from ablate.api.plugin import PluginError
-from ablate.api.slots import Attention, KVCache
+from ablate.api.slots import Attention
 from ablate.api.step import Batch, StepInputs, StepLogits
 from ablate.model.forward import Forward
 from ablate.model.llama import LlamaModel

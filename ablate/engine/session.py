@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from ablate.api.kv_cache import KVCache
 from ablate.api.sequence import Request, Sequence, Status
-from ablate.api.slots import Attention, KVCache
+from ablate.api.slots import Attention
 from ablate.api.step import Batch
 from ablate.engine.runner import ModelRunner
 from ablate.model.llama import LlamaModel

@@ -31,8 +31,8 @@ from typing import Any
 
 import pandas as pd
 
-from ablate.engine.arm import BASELINE, MODEL_KEY, Arm, IncompatiblePlugins, resolve_arm
 from ablate.api.plugin import PluginConfig, Slot
+from ablate.engine.arm import BASELINE, MODEL_KEY, Arm, IncompatiblePlugins, resolve_arm
 from ablate.engine.registry import Registry
 
 BASELINE_ARM = "baseline"

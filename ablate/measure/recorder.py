@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ablate.analysis.analytic import CostModel
-from ablate.api.step import Batch
-from ablate.api.slots import KVCache
+from ablate.api.kv_cache import KVCache
 from ablate.api.sequence import Sequence
+from ablate.api.step import Batch
 
 
 @dataclass

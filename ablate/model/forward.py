@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from ablate.api.kv import KVView, view_problem
+from ablate.api.kv_cache import KVCache
 from ablate.api.plugin import PluginError
-from ablate.api.slots import Attention, KVCache
+from ablate.api.slots import Attention
 from ablate.api.step import StepInputs
 
 

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ablate.api.kv import KVView, PackedKV, PagedKV, PaddedKV
+from ablate.api.kv import KVView, PackedKV, PaddedKV, PagedKV
 from ablate.model.config import ModelConfig
 from ablate.model.linear import Linear
 from ablate.model.rope import apply_rope

@@ -14,9 +14,9 @@ import matplotlib
 
 matplotlib.use("Agg")   # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from ablate.analysis.contributions import METRICS, contributions  # noqa: E402
 from ablate.experiment.ablation import ARMS_TABLE, AblationConfig, parse_ablation  # noqa: E402

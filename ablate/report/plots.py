@@ -21,8 +21,20 @@ from matplotlib.lines import Line2D  # noqa: E402
 
 from ablate.api.plugin import StatFigure  # noqa: E402
 from ablate.report.declared import Declarations  # noqa: E402
-from ablate.report.layout import (AXIS_LABELS, Layout, Series, _baseline_arms, _figure, _from_zero, _has,  # noqa: E402
-                                  _legend, _log_if_wide, _varies, plot_series, with_run_columns)
+from ablate.report.layout import (  # noqa: E402
+    AXIS_LABELS,
+    Layout,
+    Series,
+    _baseline_arms,
+    _figure,
+    _from_zero,
+    _has,
+    _legend,
+    _log_if_wide,
+    _varies,
+    plot_series,
+    with_run_columns,
+)
 
 __all__ = ["caption", "draw", "with_run_columns"]
 

@@ -13,8 +13,8 @@ import pandas as pd
 import torch
 
 from ablate.measure import device as dev
-from ablate.results import RunFolder, environment
 from ablate.report.wandb_log import WandbConfig, log_run
+from ablate.results import RunFolder, environment
 
 
 def open_run_folder(results_dir: str | Path, experiment: str, config: dict[str, Any],

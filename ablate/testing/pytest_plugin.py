@@ -30,8 +30,8 @@ def ablate_tiny_model():
 
 @pytest.fixture
 def ablate_baseline_engine(ablate_registry, ablate_tiny_model):
-    from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
     from ablate.api.context import EngineConfig
+    from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
     arm = resolve_arm("baseline", {}, baseline_configs(ablate_registry), ablate_registry)
     built = build_arm(arm, ablate_tiny_model, EngineConfig(), ablate_tiny_model.config.max_seq_len, ablate_registry)
     yield built.engine

@@ -14,8 +14,7 @@ from ablate.api.sequence import Sequence
 from ablate.engine.registry import Registry
 from ablate.measure.exactness import compare_greedy
 from ablate.model.llama import LlamaModel
-from ablate.testing.scenarios import (ConformanceError, Scenario, build, failing, max_len, ragged_requests,
-                                      scenarios)
+from ablate.testing.scenarios import ConformanceError, Scenario, build, failing, max_len, ragged_requests, scenarios
 from ablate.testing.storage import StorageCheck
 
 NUM_RUNS = 2     # per built arm: the second one starts from whatever the first left behind

@@ -15,6 +15,13 @@ guarantees), two statistics are exactly distributed, whatever the drafts were:
 
 The plugin fails when |z| > Z_LIMIT or the KS p-value < KS_P_LIMIT: with seeded requests the test
 is deterministic, and a correct sampler is at p ~ 1e-4 away from a false alarm.
+
+A random model's text rarely repeats, so drafts would rarely be proposed or accepted and a biased
+acceptance rule would hide. The test therefore samples from a cyclic model (`cyclic_model`): a
+Llama whose next token is the current one's successor in a short cycle with probability ~0.6 at
+temperature 1, anything else otherwise. Its text repeats the cycle with random breaks, so a
+lookup or a model drafter proposes drafts that are right about as often as not, and both the
+acceptance and the rejection branches of a rule run hundreds of times.
 """
 from __future__ import annotations
 
@@ -25,17 +32,56 @@ import torch
 from ablate.api.context import EngineConfig
 from ablate.api.plugin import PluginError, Slot
 from ablate.api.sampling import probabilities
-from ablate.api.sequence import SamplingParams
+from ablate.api.sequence import Request, SamplingParams
 from ablate.engine.registry import Registry
 from ablate.measure.quality import sequence_logits
 from ablate.model.llama import LlamaModel
-from ablate.testing.scenarios import ConformanceError, arm_spec, build, max_len, ragged_requests
+from ablate.testing.scenarios import ConformanceError, arm_spec, build, max_len
 
-TEMPERATURE = 0.7
-NUM_REQUESTS = 48
-LENGTHS = [(12, 10), (18, 8), (9, 12), (15, 10)]   # cycled over the requests
+TEMPERATURE = 1.0
+NUM_REQUESTS = 64
+LENGTHS = [(12, 18), (18, 14), (9, 20), (15, 16)]   # cycled over the requests
+CYCLE = 8                   # the cyclic model's cycle: tokens 0 .. CYCLE-1
+SUCCESSOR_LOGIT = 6.0       # logit of the successor over the rest (0): p ~ 0.6 against 255 others
 Z_LIMIT = 4.0
 KS_P_LIMIT = 1e-4
+
+
+@torch.no_grad()
+def cyclic_model(base: LlamaModel, cycle: int = CYCLE, successor_logit: float = SUCCESSOR_LOGIT) -> LlamaModel:
+    """A copy of `base` (random tiny weights) turned into a bigram model: attention and MLP outputs
+    zeroed, so the final hidden state is the normalised embedding of the current token x; embedding
+    rows one-hot on dim x mod d (scaled so RMSNorm keeps them), and LM-head rows such that
+    logit(y | x) = successor_logit when y = (x + 1) mod cycle, else 0."""
+    model = LlamaModel.random(base.config)
+    d, vocab = model.config.d_model, model.config.vocab_size
+    for layer in model.layers:
+        layer.attn.wo.weight.zero_()
+        layer.mlp.w_down.weight.zero_()
+    embed = torch.zeros(vocab, d)
+    embed[torch.arange(vocab), torch.arange(vocab) % d] = d ** 0.5           # RMS 1: the final norm keeps it
+    head = torch.zeros(vocab, d)
+    for x in range(d):                                                         # tokens sharing dim x mod d
+        head[(x + 1) % cycle, x] = successor_logit / d ** 0.5
+    model.embed.weight.copy_(embed.to(model.embed.weight.dtype))
+    model.lm_head.weight.copy_(head.to(model.lm_head.weight.dtype))
+    model.norm.weight.fill_(1.0)
+    return model
+
+
+def cyclic_prompts(num: int, lengths: list[tuple[int, int]], vocab_size: int, seed: int = 7
+                   ) -> list[tuple[tuple[int, ...], int]]:
+    """Prompts that run round the cycle from a random start, with a few random tokens."""
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(num):
+        p, n = lengths[i % len(lengths)]
+        start = int(torch.randint(CYCLE, (1,), generator=rng))
+        noise = torch.rand(p, generator=rng) < 0.15
+        prompt = [(start + j) % CYCLE if not noise[j] else int(torch.randint(vocab_size, (1,), generator=rng))
+                  for j in range(p)]
+        out.append((tuple(prompt), n))
+    return out
 
 
 def ks_p_value(u: torch.Tensor) -> float:
@@ -80,8 +126,9 @@ def check_sampling(registry: Registry, slot: Slot, name: str, model: LlamaModel)
         return
     plugin = f"{slot.value}={name}"
     params = SamplingParams(temperature=TEMPERATURE)
-    lengths = [LENGTHS[i % len(LENGTHS)] for i in range(NUM_REQUESTS)]
-    requests = ragged_requests(model.config.vocab_size, seed=7, lengths=lengths, temperature=TEMPERATURE)
+    model = cyclic_model(model)
+    requests = [Request(i, prompt, n, SamplingParams(TEMPERATURE, seed=1000 + i))
+                for i, (prompt, n) in enumerate(cyclic_prompts(NUM_REQUESTS, LENGTHS, model.config.vocab_size))]
     built = build(registry, arm_spec(registry, slot, name), model, EngineConfig(max_num_seqs=8), max_len(requests))
     try:
         seqs = built.engine.run(requests)

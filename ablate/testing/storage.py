@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ablate.api.slots import KVCache
+from ablate.api.kv_cache import KVCache
 from ablate.api.step import Batch
 from ablate.measure.recorder import StepHook
 

@@ -15,25 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attention import (
-    _LOG2E,
-    _block_h,
-    _check_float_inputs,
-    _check_head_dim,
-    _check_heads,
-    _check_index,
-    _check_tensor,
-    _decode_config,
-    _dot,
-    _dot_flags,
-    _launch_decode_combine,
-    _num_splits,
-    _online_softmax_step,
-    _require_runnable,
-    _resolve_scale,
-    _split_buffers,
-    _store_decode_result,
-)
+from .launch import (_block_h, _check_float_inputs, _check_head_dim, _check_heads, _check_index, _check_tensor,
+                     _decode_config, _dot_flags, _launch_decode_combine, _num_splits, _require_runnable,
+                     _resolve_scale, _split_buffers)
+from .online_softmax import _LOG2E, _dot, _online_softmax_step, _store_decode_result
 
 __all__ = ["paged_decode_attention"]
 

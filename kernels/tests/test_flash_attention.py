@@ -18,14 +18,15 @@ import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from ablate_kernels import flash_attention as fa  # noqa: E402
 from ablate_kernels import (  # noqa: E402
     flash_attention_decode,
     flash_attention_decode_ref,
     flash_attention_varlen,
     flash_attention_varlen_ref,
+    launch,  # noqa: E402
     triton_available,
 )
-from ablate_kernels import flash_attention as fa  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -196,7 +197,7 @@ def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
 def test_decode_split_k_paths(num_splits):
     """Single pass, split-K, and more splits than a short context fills; context 0 outputs zeros."""
     q, k, v, ctx = make_decode([0, 5, 64, 100], 100, 4, 2, 16, torch.float32)
-    out = fa._launch_decode(q, k, v, ctx, 2, 0.25, num_splits, fa._decode_config(16, torch.float32))
+    out = fa._launch_decode(q, k, v, ctx, 2, 0.25, num_splits, launch._decode_config(16, torch.float32))
     ref = flash_attention_decode_ref(q.float(), k.float(), v.float(), ctx, sm_scale=0.25)
     assert_matches(out, ref, torch.float32)
     assert (out[0] == 0).all()
@@ -280,7 +281,7 @@ def test_decode_rejects_bad_inputs(name, overrides):
 
 def test_runtime_error_when_triton_cannot_run(monkeypatch):
     """CPU tensors without the interpreter: a RuntimeError pointing at the reference / sdpa path."""
-    monkeypatch.setattr(fa, "_INTERPRETED", False)
+    monkeypatch.setattr(launch, "_INTERPRETED", False)
     assert not triton_available("cpu")
     with pytest.raises(RuntimeError, match="reference.flash_attention_varlen_ref"):
         flash_attention_varlen(**_varlen_args())
@@ -289,7 +290,7 @@ def test_runtime_error_when_triton_cannot_run(monkeypatch):
 
 
 def test_triton_available():
-    assert triton_available(torch.device("cpu")) == fa._INTERPRETED
-    assert triton_available(torch.zeros(1)) == fa._INTERPRETED
+    assert triton_available(torch.device("cpu")) == launch._INTERPRETED
+    assert triton_available(torch.zeros(1)) == launch._INTERPRETED
     assert not triton_available("meta")
     assert triton_available("cuda") == torch.cuda.is_available()

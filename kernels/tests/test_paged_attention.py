@@ -14,11 +14,11 @@ import torch  # noqa: E402
 
 from ablate_kernels import (  # noqa: E402
     flash_attention_decode,
+    launch,  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_ref,
     triton_available,
 )
-from ablate_kernels import flash_attention as fa  # noqa: E402
 from ablate_kernels import paged_attention as pa  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -101,7 +101,7 @@ def test_paged_equals_contiguous_decode(dtype):
 def test_paged_split_k_paths(num_splits):
     """Single pass, split-K, and more splits than a short context fills; context 0 outputs zeros."""
     q, _, _, k_cache, v_cache, table, ctx = make_paged([0, 9, 50, 100], 16, 4, 2, 16, torch.float32)
-    out = pa._launch_paged(q, k_cache, v_cache, table, ctx, 2, 0.3, num_splits, fa._decode_config(16, torch.float32))
+    out = pa._launch_paged(q, k_cache, v_cache, table, ctx, 2, 0.3, num_splits, launch._decode_config(16, torch.float32))
     ref = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), table, ctx, sm_scale=0.3)
     assert_matches(out, ref, torch.float32)
     assert (out[0] == 0).all()
@@ -141,6 +141,6 @@ def test_paged_rejects_bad_inputs(name, overrides):
 
 
 def test_paged_runtime_error_when_triton_cannot_run(monkeypatch):
-    monkeypatch.setattr(fa, "_INTERPRETED", False)
+    monkeypatch.setattr(launch, "_INTERPRETED", False)
     with pytest.raises(RuntimeError, match="reference.paged_decode_attention_ref"):
         paged_decode_attention(**_paged_args())

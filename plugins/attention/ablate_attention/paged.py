@@ -51,7 +51,7 @@ class PagedAttention(Attention):
 
     def __init__(self, config: PagedAttentionConfig, ctx) -> None:
         super().__init__(config, ctx)
-        import ablate_kernels   # imported here: TRITON_INTERPRET must be set before triton is imported
+        import ablate_kernels  # imported here: TRITON_INTERPRET must be set before triton is imported
 
         self._kernel = ablate_kernels.paged_decode_attention
         device = ctx.device

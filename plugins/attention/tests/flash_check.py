@@ -16,13 +16,13 @@ import warnings
 
 import torch
 
-from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.api.context import EngineConfig
+from ablate.api.plugin import Slot
+from ablate.api.sequence import Request
+from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
+from ablate.engine.registry import default_registry
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
-from ablate.api.plugin import Slot
-from ablate.engine.registry import default_registry
-from ablate.api.sequence import Request
 
 ARMS = {   # arm -> (model preset, arm spec)
     "none-cache": ("tiny", {"attention": "flash"}),

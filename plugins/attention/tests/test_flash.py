@@ -68,8 +68,8 @@ def test_an_unsupported_head_dim_falls_back_per_call_and_is_recorded(monkeypatch
     plugin = FlashAttention(FlashConfig(), BuildContext(None, KVSpec(1, 2, 24, 24, torch.float32, torch.device("cpu"),
                                                                      1, 8), engine))
     monkeypatch.setattr(plugin, "no_triton_reason", None)      # as if Triton could run here
-    from ablate.api.step import StepInputs
     from ablate.api.sequence import Request, Sequence
+    from ablate.api.step import StepInputs
     n = 5
     step = StepInputs(seqs=[Sequence(Request(0, (1,) * n, 1))], input_ids=torch.ones(n, dtype=torch.long),
                       positions=torch.arange(n), query_lens=[n], context_lens=[n], query_starts=[0, n],
@@ -87,6 +87,7 @@ def test_flash_plugin_conforms(ablate_check_plugin, monkeypatch):
     (other test modules switch it on), where the kit's workload takes minutes; the kernels' greedy
     tokens are checked above, in a fresh process."""
     import types
+
     import ablate_attention.flash as flash
     monkeypatch.setattr(flash, "kernels_module", lambda: types.SimpleNamespace(triton_available=lambda device: False))
     ablate_check_plugin("attention", "flash")

@@ -13,14 +13,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import ablate_kernels  # noqa: E402
-from ablate.engine.arm import baseline_configs, build_arm, resolve_arm  # noqa: E402
-from ablate.api.step import StepInputs  # noqa: E402
 from ablate.api.context import EngineConfig  # noqa: E402
 from ablate.api.kv import PagedKV  # noqa: E402
 from ablate.api.plugin import Slot  # noqa: E402
 from ablate.api.sequence import Request, Sequence  # noqa: E402
+from ablate.api.step import StepInputs  # noqa: E402
+from ablate.engine.arm import baseline_configs, build_arm, resolve_arm  # noqa: E402
 from ablate_attention import paged as paged_attention  # noqa: E402
-
 
 needs_triton = pytest.mark.skipif(
     not ablate_kernels.triton_available("cpu"),

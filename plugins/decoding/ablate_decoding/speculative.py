@@ -18,11 +18,10 @@ from typing import Any
 
 import torch
 
-from ablate.api import (Batch, BuildContext, Decoding, Executor, PluginConfig, Sampler, Sequence, Stat,
-                        StatFigure, now, probabilities)
+from ablate.api import (Batch, BuildContext, Decoding, Executor, PluginConfig, Sampler, Sequence, Stat, StatFigure,
+                        now, probabilities)
 from ablate_decoding.acceptance import accept_drafts, accept_greedy
-from ablate_decoding.draft_models import (early_exit_layers, layer_skip_layers, layer_subset,
-                                          load_draft_model)
+from ablate_decoding.draft_models import early_exit_layers, layer_skip_layers, layer_subset, load_draft_model
 from ablate_decoding.drafter import Drafter
 from ablate_decoding.model_drafter import ModelDrafter
 from ablate_decoding.ngram import NgramDrafter

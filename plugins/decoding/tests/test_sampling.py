@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import ablate_decoding.speculative as speculative_module
+from ablate.api.sequence import Request, SamplingParams
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
-from ablate.api.sequence import Request, SamplingParams
 from ablate_decoding.acceptance import Verdict
 
 VOCAB = 16                  # few categories: frequencies converge with a few thousand samples

@@ -5,12 +5,11 @@ import random
 
 import pytest
 
-from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
 from ablate.api.context import EngineConfig
-from ablate.measure.recorder import Recorder
-from ablate.api.step import Batch
 from ablate.api.sequence import Request, Sequence
-
+from ablate.api.step import Batch
+from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
+from ablate.measure.recorder import Recorder
 
 PROMPT_LENS = [3, 11, 17, 30]
 MAX_NEW = [9, 4, 13, 6]        # every sequence finishes at a different step

@@ -6,12 +6,11 @@ import random
 
 import pytest
 
-from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
 from ablate.api.context import EngineConfig
-from ablate.measure.recorder import Recorder
 from ablate.api.sequence import Request, Sequence
+from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
+from ablate.measure.recorder import Recorder
 from ablate.workload.requests import WorkloadConfig, textbook_requests
-
 
 PROMPT_LENS = [3, 30, 11, 17, 6, 24]
 MAX_NEW = [12, 4, 15, 7, 2, 10]

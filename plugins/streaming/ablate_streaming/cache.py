@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ablate.api import (BuildContext, KVBudgetConfig, KVCache, QualityBound, RowBuffers, Sequence, Stat,
-                        StepInputs, budget_bytes)
+from ablate.api import (BuildContext, KVBudgetConfig, KVCache, QualityBound, RowBuffers, Sequence, Stat, StepInputs,
+                        budget_bytes)
 
 
 @dataclass

@@ -8,9 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from ablate.api import Batch, BuildContext, EngineConfig, KVCache, KVSpec, PluginError, Request, Slot, StepInputs
 from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
-from ablate.api import (Batch, BuildContext, EngineConfig, KVCache, KVSpec, PluginError, Request, Slot,
-                        StepInputs)
 from ablate.engine.runner import ModelRunner
 from ablate.engine.session import Shadow
 from ablate.measure.recorder import Recorder

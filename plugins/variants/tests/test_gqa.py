@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ablate.measure.quality import sequence_logits
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
-from ablate.measure.quality import sequence_logits
 from ablate_variants.gqa import GQAConfig, mean_pool_heads, to_kv_heads
 
 TOKENS = list(range(3, 40, 2))

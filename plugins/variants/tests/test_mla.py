@@ -6,15 +6,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ablate.api.step import Batch
 from ablate.api import BuildContext, EngineConfig, KVSpec
+from ablate.api.plugin import Slot
+from ablate.api.sequence import Request, Sequence
+from ablate.api.step import Batch
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
+from ablate.measure.quality import sequence_logits
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
 from ablate.model.mla import MultiHeadLatentAttention, set_absorbed
-from ablate.api.plugin import Slot
-from ablate.measure.quality import sequence_logits
-from ablate.api.sequence import Request, Sequence
 from ablate_variants.mla import MLAConfig, to_mla
 
 TOKENS = list(range(5, 60, 3))

@@ -10,7 +10,7 @@ heads, `mla:rank=R,rope_frequencies=F` factorises K/V by SVD; ablate_variants):
   L (d_c + d_R) e) and measured: the contiguous cache's buffers (numel x element size) divided
   by the token slots they hold;
 - sequences a fixed KV budget admits at `--context` tokens each: the contiguous cache built with
-  kv_cache.budget_bytes, sequences admitted until can_admit says no (measured), beside
+  kv_cache.budget_bytes, sequences admitted until allocate says no (measured), beside
   floor(budget / (context x bytes per token));
 - decode throughput at long context: `--decode-batch` sequences of `--context` prompt tokens,
   `--decode-tokens` new tokens each, contiguous cache, attention=sdpa; tokens emitted by pure
@@ -99,9 +99,9 @@ def admitted_in_budget(model: LlamaModel, registry: Registry, context: int, budg
     admitted = 0
     while admitted < limit:
         seq = Sequence(Request(admitted, (0,) * (context - 1), max_new_tokens=1))
-        if not cache.can_admit(seq):
+        seq.start()
+        if not cache.allocate(seq, context - 1):
             break
-        cache.admit(seq)
         admitted += 1
     cache.close()
     return admitted

@@ -64,15 +64,6 @@ class ArmSpec:
             plugins[Slot(slot_name)] = fields
         return cls(plugins, dict(model))
 
-    def then(self, other: ArmSpec) -> ArmSpec:
-        """This spec with `other` applied over it (the later one wins per slot; options of the same
-        plugin merge)."""
-        plugins = dict(self.plugins)
-        for slot, fields in other.plugins.items():
-            same = slot in plugins and plugins[slot]["name"] == fields["name"]
-            plugins[slot] = {**plugins[slot], **fields} if same else dict(fields)
-        return ArmSpec(plugins, {**self.model, **other.model})
-
 
 @dataclass
 class Arm:

@@ -5,7 +5,7 @@ The engine takes plain dataclasses; the CLI stores each preset in Hydra's Config
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -169,5 +169,3 @@ def preset(name: str, **overrides) -> ModelConfig:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
     return replace(PRESETS[name], **overrides)
 
-
-MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig))

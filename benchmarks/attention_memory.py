@@ -159,7 +159,7 @@ def main() -> None:
     folder = open_run_folder(args.results_dir, "ch12_attention_memory", config, device)
     report = "\n".join(["# ch12: attention memory and time, prefill of one sequence", "",
                         table.to_markdown(index=False), "", *[f"- {c}" for c in checks],
-                        f"- peak memory: {frame['memory_method'].iloc[0]}; predicted bytes: ablate/attention_io.py"]) + "\n"
+                        f"- peak memory: {frame['memory_method'].iloc[0]}; predicted bytes: ablate/analysis/attention_io.py"]) + "\n"
     summary = {f"peak_bytes/{r.impl}/n={r.seq_len}": float(r.peak_bytes) for r in frame.itertuples()}
     summary |= {f"time_ms/{r.impl}/n={r.seq_len}": float(r.time_ms) for r in frame.itertuples()}
     wandb_dir = store_tables(folder, experiment="ch12_attention_memory", chapter="ch12", config=config,

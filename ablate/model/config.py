@@ -156,7 +156,7 @@ PRESETS: dict[str, ModelConfig] = {
                           shape_only=True, architecture="gpt"),
     # DeepSeek-V2's attention shape (MLA: latent 512 + rotary key 64, 128 heads of 128). Its MoE MLP
     # is not expressible here: d_ff is the dense first layer's, so num_params() is not its 236B
-    # (ablate/costs.py takes the published total and active counts for it)
+    # (ablate/analysis/costs.py takes the published total and active counts for it)
     "deepseek-v2": _preset(name="deepseek-v2", n_layers=60, d_model=5120, n_heads=128, n_kv_heads=128, head_dim=128,
                            d_ff=12288, vocab_size=102400, tied_embeddings=False, max_seq_len=131072,
                            shape_only=True, attention_kind="mla", kv_latent_dim=512, rope_head_dim=64),

@@ -2,7 +2,7 @@
 
 Everything is computed from the run folder (config.json, ablation_arms.csv) and the runs table, so
 `python -m ablate.report.page <path>` rebuilds it exactly as the run wrote it. The arithmetic and its
-rules are in ablate/ablation.py.
+rules are in ablate/experiment/ablation.py and ablate/analysis/contributions.py.
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ class WorkloadConfig:
     temperature: float = 0.0       # 0: greedy
     top_p: float = 1.0
     seed: int = 0                  # seeds lengths, arrivals, prompt tokens and sampling
-    trace_path: str = ""           # arrival=trace: JSONL, one request a line (ablate/trace.py); its arrival
+    trace_path: str = ""           # arrival=trace: JSONL, one request a line (ablate/workload/trace.py); its arrival
                                    # times and lengths replace num_requests and the distributions above
     textbook_arrival_s: float = 0.01   # arrival=textbook: when the 4th request (output_len tokens) arrives, s
     source: str = "random"         # random: random token ids | text: real text (ablate.workload.text), tokenized

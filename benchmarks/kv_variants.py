@@ -36,7 +36,6 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from ablate.analysis.analytic import kv_bytes_per_token
 from ablate.api.context import BuildContext, EngineConfig, KVSpec
 from ablate.api.plugin import Slot
 from ablate.api.sequence import Request, Sequence
@@ -138,7 +137,7 @@ def measure_variant(label: str, model: LlamaModel, spec: str, registry: Registry
     cfg = converted.config
     row = {"model": label, "variant": name or spec, "attention": cfg.attention_kind,
            "kv_heads": cfg.kv_cache_widths[0], "kv_latent_dim": cfg.kv_latent_dim, "rope_head_dim": cfg.rope_head_dim,
-           "kv_bytes_per_token_formula": kv_bytes_per_token(cfg),
+           "kv_bytes_per_token_formula": cfg.kv_bytes_per_token(),
            "kv_bytes_per_token_measured": measured_bytes_per_token(converted, registry, args.context)}
     budget = args.budget_mib * 2**20
     row["seqs_admitted"] = admitted_in_budget(converted, registry, args.context, budget)

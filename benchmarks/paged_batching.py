@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ablate.analysis.analytic import kv_bytes_per_token
 from ablate.api.context import EngineConfig
 from ablate.checkpoints.loader import load_model
 from ablate.engine.arm import baseline_configs, resolve_arm
@@ -59,7 +58,7 @@ def paging(args, model, registry) -> dict:
     workload = WorkloadConfig(num_requests=args.paging_requests, prompt_len=prompt, prompt_dist="uniform",
                               prompt_spread=spread, output_len=max_len // 4 - prompt, output_dist="exponential",
                               output_len_max=max_len - prompt - spread, arrival="burst", seed=args.seed)
-    budget = BUDGET_SEQS * max_len * kv_bytes_per_token(model.config)
+    budget = BUDGET_SEQS * max_len * model.config.kv_bytes_per_token()
     base = baseline_configs(registry)
     arms = {name: resolve_arm(name, {"kv_cache": {"name": name, "budget_bytes": budget, **extra},
                                      "scheduler": "continuous", "attention": "sdpa"}, base, registry)

@@ -69,8 +69,13 @@ class KVCache(Plugin):
         held = self._room.get(seq.seq_id)
         if held is not None and need <= held:
             return True
-        if not self.reserve(seq, need):
-            return False
+        try:
+            if not self.reserve(seq, need):
+                return False
+        except (PluginError, ValueError):
+            raise
+        except Exception as err:       # a failure inside the plugin: name it
+            raise PluginError(self, "reserve", f"{type(err).__name__}: {err}") from err
         self._room[seq.seq_id] = need
         self._committed.setdefault(seq.seq_id, seq.num_computed_tokens)
         return True
@@ -92,7 +97,12 @@ class KVCache(Plugin):
         if room is None or not 0 <= num_tokens <= room:
             raise PluginError("engine", "commit", f"sequence {seq.seq_id}: {num_tokens} tokens committed to {self}, "
                               f"which holds room for {room or 0}")
-        self.keep(seq, num_tokens)
+        try:
+            self.keep(seq, num_tokens)
+        except (PluginError, ValueError):
+            raise
+        except Exception as err:       # a failure inside the plugin: name it
+            raise PluginError(self, "keep", f"{type(err).__name__}: {err}") from err
         self._committed[seq.seq_id] = num_tokens
         self._room[seq.seq_id] = num_tokens
 
@@ -101,7 +111,12 @@ class KVCache(Plugin):
         if self._room.pop(seq.seq_id, None) is None:
             return
         del self._committed[seq.seq_id]
-        self.free(seq)
+        try:
+            self.free(seq)
+        except (PluginError, ValueError):
+            raise
+        except Exception as err:       # a failure inside the plugin: name it
+            raise PluginError(self, "free", f"{type(err).__name__}: {err}") from err
 
     def room(self, seq: Sequence) -> int:
         """Tokens allocated for `seq` (0: it holds nothing)."""
@@ -168,3 +183,4 @@ class KVCache(Plugin):
     def num_seqs_admitted(self) -> int:
         """Sequences holding room now (admitted, not yet released): what a budget limits."""
         return len(self._room)
+

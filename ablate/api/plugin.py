@@ -7,6 +7,8 @@ class. The core's baselines are plugins too, found the same way.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -146,3 +148,15 @@ class PluginError(RuntimeError):
         self.plugin = str(plugin)
         self.method = method
         super().__init__(f"{self.plugin}.{method}: {problem}")
+
+
+@contextmanager
+def blame(plugin: Plugin | str, method: str) -> Iterator[None]:
+    """Run a call into a plugin: a failure inside it becomes a PluginError naming the plugin and the
+    method (a ValueError, a bad option or input the plugin reports itself, passes through)."""
+    try:
+        yield
+    except (PluginError, ValueError):
+        raise
+    except Exception as err:
+        raise PluginError(plugin, method, f"{type(err).__name__}: {err}") from err

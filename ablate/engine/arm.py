@@ -7,7 +7,7 @@ from typing import Any
 from ablate.api.context import BuildContext, EngineConfig
 from ablate.api.kv import KVSpec
 from ablate.api.kv_cache import KVCache
-from ablate.api.plugin import Plugin, PluginConfig, PluginError, Slot
+from ablate.api.plugin import Plugin, PluginConfig, PluginError, Slot, blame
 from ablate.api.slots import Attention, Decoding, ModelVariant, Scheduler
 from ablate.engine.engine import Engine
 from ablate.engine.registry import Registry
@@ -110,7 +110,8 @@ class BuiltArm:
         """Every plugin's stats as `slot.key` columns, checked against what each declares."""
         out: dict[str, float | str] = {}
         for plugin in self.plugins.values():
-            values = plugin.stats()
+            with blame(plugin, "stats"):
+                values = plugin.stats()
             declared = {s.key for s in type(plugin).reported_stats}
             if set(values) != declared:
                 missing, extra = sorted(declared - set(values)), sorted(set(values) - declared)
@@ -130,16 +131,12 @@ def build_arm(arm: Arm, model: LlamaModel, engine: EngineConfig, max_seq_len: in
     BuildContext documents: variant, kv_cache, attention, decoding, scheduler."""
     def make(slot: Slot, ctx: BuildContext) -> Plugin:
         config = arm.plugins[slot]
-        cls = registry.get(slot, config.name)
-        try:
-            return cls(config, ctx)
-        except (ValueError, PluginError):
-            raise
-        except Exception as err:
-            raise PluginError(f"{slot.value}={config.name}", "__init__", f"{type(err).__name__}: {err}") from err
+        with blame(f"{slot.value}={config.name}", "__init__"):
+            return registry.get(slot, config.name)(config, ctx)
 
     variant: ModelVariant = make(Slot.MODEL, BuildContext(model, KVSpec.of(model, engine, max_seq_len), engine))
-    model = variant.apply(model)
+    with blame(variant, "apply"):
+        model = variant.apply(model)
     ctx = BuildContext(model, KVSpec.of(model, engine, max_seq_len), engine)
     kv_cache: KVCache = make(Slot.KV_CACHE, ctx)
     ctx._kv_cache = kv_cache

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 from ablate.api.context import EngineConfig
-from ablate.api.plugin import PluginError
+from ablate.api.plugin import PluginError, blame
 from ablate.api.sequence import Request, Sequence, Status
 from ablate.api.slots import Decoding, Scheduler
 from ablate.api.step import Batch
@@ -44,17 +44,14 @@ class Engine:
         start = dev.now(self.device)
         for hook in self.hooks:
             hook.on_step_start(batch, start)
-        try:
+        with blame(self.decoding, "step"):
             emitted = self.decoding.step(self.runner, batch)
-        except PluginError:
-            raise
-        except Exception as err:
-            raise PluginError(self.decoding, "step", f"{type(err).__name__}: {err}") from err
         end = dev.now(self.device)
         kept = self.commit(batch, emitted)
         for hook in self.hooks:
             hook.on_step_end(batch, kept, end)
-        self.scheduler.finish_step(batch)
+        with blame(self.scheduler, "finish_step"):
+            self.scheduler.finish_step(batch)
         finished = [seq for seq in batch.seqs if seq.seq_id in kept and seq.is_finished]
         for seq in finished:
             for hook in self.hooks:
@@ -144,10 +141,12 @@ class Engine:
                 seq = Sequence(pending.pop(0))
                 seqs.append(seq)
                 self.seqs[seq.seq_id] = seq
-                self.scheduler.add(seq)
+                with blame(self.scheduler, "add"):
+                    self.scheduler.add(seq)
                 for hook in self.hooks:
                     hook.on_arrival(seq, t0 + seq.request.arrival_time)
-            batch = self.scheduler.next_batch()
+            with blame(self.scheduler, "next_batch"):
+                batch = self.scheduler.next_batch()
             if batch is not None:
                 before = sum(s.num_output_tokens for s in batch.seqs)
                 self.step(batch)

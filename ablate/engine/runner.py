@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ablate.api.kv_cache import KVCache
-from ablate.api.plugin import PluginError
+from ablate.api.plugin import PluginError, blame
 from ablate.api.slots import Attention
 from ablate.api.step import Batch, StepInputs, StepLogits
 from ablate.model.forward import Forward
@@ -81,12 +81,8 @@ class ModelRunner:
         self.check_drafts(batch, draft_tokens)
         self.fed_drafts = draft_tokens
         step, rows = self.inputs(batch, draft_tokens)
-        try:
+        with blame(self.kv_cache, "prepare"):
             step = self.kv_cache.begin_step(step)
-        except PluginError:
-            raise
-        except Exception as err:
-            raise PluginError(self.kv_cache, "prepare", f"{type(err).__name__}: {err}") from err
         hidden = self.model(Forward(step, self.kv_cache, self.attention))        # (T, d)
         logits = self.model.logits(hidden.index_select(0, step.logits_indices))  # (N, V)
         return StepLogits(logits, rows)

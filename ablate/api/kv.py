@@ -38,7 +38,8 @@ class KVSpec:
     dtype: torch.dtype        # what the model writes and attention reads
     device: torch.device
     max_num_seqs: int         # engine.max_num_seqs: sequences at once
-    max_seq_len: int          # the longest sequence of the workload (prompt + output)
+    max_seq_len: int          # the workload's longest prompt + output: no sequence ever holds more
+                              # tokens (it stores at most max_num_tokens - 1: its last is never fed)
 
     @property
     def bytes_per_token(self) -> int:
@@ -74,7 +75,8 @@ class PackedKV:
 
 @dataclass
 class PaddedKV:
-    """One row per sequence, in batch order, already padded (contiguous, dynamic, streaming caches)."""
+    """One row per sequence, in batch order, already padded (contiguous, dynamic, streaming caches).
+    Entries past a sequence's kv_len are masked out, but must be finite numbers (0 x NaN is NaN)."""
 
     k: torch.Tensor   # (B, S, H_kv, D), S >= the step's longest kv_len
     v: torch.Tensor
@@ -145,7 +147,13 @@ def view_problem(view: KVView, step: StepInputs, spec: KVSpec) -> str | None:
 @dataclass
 class KVBudgetConfig(PluginConfig):
     """Base of a cache config that takes a memory budget: a number of bytes, or a fraction of the
-    memory free when the cache is built (device memory on a GPU, available RAM on the CPU)."""
+    memory free when the cache is built (device memory on a GPU, available RAM on the CPU).
+
+    A cache honours it by never holding more than `budget_bytes(config, device)` bytes of K/V
+    (`bytes_reserved()` stays within it; the kit checks), refusing sequences (`reserve` -> False)
+    rather than exceeding it, and raising a ValueError naming `kv_cache.budget_bytes` when it cannot
+    hold even one sequence of the workload. A subclass that validates its own fields calls
+    `super().__post_init__()` from its __post_init__ so these two are validated too."""
 
     budget_bytes: int = 0          # most bytes of K/V the cache may hold; 0: see budget_fraction
     budget_fraction: float = 0.0   # or this fraction of free device memory (RAM on the CPU); 0: no limit

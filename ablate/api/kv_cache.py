@@ -39,8 +39,11 @@ class KVCache(Plugin):
       keep(seq, num_tokens)                drop anything past the first num_tokens (rejected drafts)
       free(seq)                            give back everything the sequence holds
       bytes_reserved()                     bytes held for K/V now
-    and may override num_cached_tokens (prefix caching), bytes_used, bytes_per_token and
-    num_seqs_admitted when its storage differs from the defaults.
+    and may override num_cached_tokens (prefix caching), bytes_used, bytes_per_token (a property)
+    and num_seqs_admitted when its storage differs from the defaults.
+
+    A sequence is known by seq.seq_id, unique among the sequences one cache holds. An arm is built
+    afresh for every run of an experiment, so a cache's counters start at zero each run.
     """
 
     slot = Slot.KV_CACHE
@@ -144,7 +147,9 @@ class KVCache(Plugin):
     def keep(self, seq: Sequence, num_tokens: int) -> None:
         """Only the first `num_tokens` tokens of `seq` are final: what was written past them (drafts
         the target rejected) is forgotten, and room past them may be given back. The next step
-        writes from position num_tokens on. Called after every step that fed `seq`."""
+        writes from position num_tokens on. Called after every step that fed `seq`; nothing to do
+        for a cache whose views read only kv_lens keys and that keeps no room per token (the
+        default does nothing)."""
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Leading tokens of a waiting `seq` whose K/V the cache holds already (prefix caching): the
@@ -169,11 +174,15 @@ class KVCache(Plugin):
 
     @abstractmethod
     def bytes_reserved(self) -> int:
-        """Bytes held for K/V now, for the sequences or up front."""
+        """Bytes held for K/V between steps, for the sequences or up front (within the budget). A
+        temporary made in view() (a dequantised copy) is activation memory, not counted here: the
+        run's peak memory counts it."""
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token's K/V takes in this cache's storage (override when storing compressed)."""
+        """Bytes one token's K/V takes in this cache's storage, anything stored per token included
+        (quantisation scales). Override when storing another form than the model's dtype: the
+        results, the analytic model and the memory figures use it."""
         return self.spec.bytes_per_token
 
     def bytes_used(self) -> int:

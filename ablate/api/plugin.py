@@ -78,9 +78,10 @@ AGGREGATES = ("median", "max", "min", "first")
 class Stat:
     """One figure a plugin reports in `stats()`: results column `<slot>.<key>`.
 
-    The report formats it by `unit`, combines the repeats of an arm by `aggregate`, shows it in the
-    table headed `table` (if any) and, when it `predicts` a measured column (e.g. kv_util_mean),
-    beside that column as "measured (predicted)" and as a dotted series in its figure.
+    The report formats it by `unit` (bytes as B, KiB or MiB; count and tokens as numbers; fraction
+    as a percentage; x as a factor; text as is), combines the repeats of an arm by `aggregate`,
+    shows it in the table headed `table` (if any) and, when it `predicts` a measured column (e.g.
+    kv_util_mean), beside that column as "measured (predicted)" and as a dotted series in its figure.
     """
 
     key: str
@@ -103,7 +104,7 @@ class Stat:
 class StatFigure:
     """A figure the report draws from a plugin's stats: `series` against `x`, one line per value
     of `group_by`. Names are this plugin's stat keys or results columns (e.g. "speedup"); the
-    figure is drawn when the results hold `x` and at least one series."""
+    figure is drawn when the arms span several values of `x` and hold at least one series."""
 
     name: str                      # the PNG's file name and the report's anchor
     title: str

@@ -14,9 +14,10 @@ One engine step, and who calls what:
 
 A Sequence is only ever changed by the core (ablate.api.sequence); plugins read it. A cache's
 bookkeeping of room and committed tokens lives in its base class (ablate/api/kv_cache.py), so a
-cache plugin implements storage and room policy only. Everything is designed for ragged batches whose sequences join and
-leave every step, steps that mix prompt chunks with decode tokens, and K/V that is rolled back
-(speculative decoding rejects drafts).
+cache plugin implements storage and room policy only. Everything is designed for ragged batches
+whose sequences join and leave every step, steps that mix prompt chunks with decode tokens, and
+K/V that is rolled back (speculative decoding rejects drafts). A rule broken is a PluginError
+naming `<slot>=<name>.<method>`, raised by the engine as it runs.
 """
 from __future__ import annotations
 

@@ -21,6 +21,9 @@ class Batch:
     seqs: list[Sequence]
     num_new_tokens: list[int]          # tokens each sequence feeds: its prompt (or a chunk of it), 1 when decoding
     num_lookahead_tokens: list[int] = field(default_factory=list)   # filled by the engine; empty: 0 each
+    # per sequence: this step feeds it up to its last known token, so it gets logits and emits (False
+    # for a prompt chunk that stops short of the prompt's end); set from the sequences when built
+    emits: list[bool] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.seqs) != len(self.num_new_tokens):
@@ -28,6 +31,8 @@ class Batch:
                              f"sequences and {len(self.num_new_tokens)} entries")
         if not self.num_lookahead_tokens:
             object.__setattr__(self, "num_lookahead_tokens", [0] * len(self.seqs))
+        object.__setattr__(self, "emits", [s.num_computed_tokens + n == s.num_tokens
+                                           for s, n in zip(self.seqs, self.num_new_tokens)])
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -35,12 +40,6 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
-
-    @property
-    def emits(self) -> list[bool]:
-        """Per sequence: this step feeds it up to its last known token, so it gets logits and emits.
-        False for a prompt chunk that stops short of the prompt's end."""
-        return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
 
 
 @dataclass

@@ -190,8 +190,8 @@ def plugin_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations, s
     (or per arm), the grid's own keys as markers."""
     x = declared.column(slot, spec.x)
     series = [declared.column(slot, name) for name in spec.series]
-    if not (_has(frame, x) and any(_has(frame, c) for c in series)):
-        return None
+    if not (_varies(frame, x) and any(_has(frame, c) for c in series)):
+        return None                 # drawn against its x: only when the arms span several values of it
     rows = frame[frame[x].notna()].copy()
     by = declared.column(slot, spec.group_by) if spec.group_by else "arm"
     if by not in rows:

@@ -32,12 +32,29 @@ def _fmt(spec: str, suffix: str = ""):
     return lambda x: "-" if pd.isna(x) else format(x, spec) + suffix
 
 
-UNIT_FORMATS = {"": _fmt(",.3g"), "count": _fmt(",.0f"), "tokens": _fmt(",.1f"), "bytes": _mib, "ms": _ms,
+def _bytes(n: float) -> str:
+    """A byte count in the unit that reads best: B, KiB or MiB."""
+    if _missing(n):
+        return "-"
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _number(x: float) -> str:
+    """An integer in full, other numbers to four significant digits."""
+    if _missing(x):
+        return "-"
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:,.4g}"
+
+
+UNIT_FORMATS = {"": _number, "count": _number, "tokens": _fmt(",.1f"), "bytes": _bytes, "ms": _ms,
                 "ratio": _fmt(".3f"), "fraction": _fmt(".0%"), "x": _fmt(".2f", "x"),
                 "text": lambda x: "-" if pd.isna(x) else str(x)}
 
 
-UNIT_LABELS = {"bytes": " (MiB)", "ms": " (ms)", "tokens": " (tokens)"}
+UNIT_LABELS = {"ms": " (ms)", "tokens": " (tokens)"}
 
 
 def format_stat(stat: Stat):

@@ -17,6 +17,8 @@ What it checks, on the tiny model, in order (each module's docstring has the det
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ablate.api.plugin import Slot
 from ablate.engine.registry import Registry, default_registry
 from ablate.model.config import preset
@@ -28,16 +30,46 @@ from ablate.testing.runner_checks import check_runner
 from ablate.testing.sampling import check_sampling
 
 
+@dataclass
+class KitReport:
+    """What the kit ran and measured on a plugin that passed it."""
+
+    plugin: str
+    scenarios: list[str]                               # engine runs under contention
+    runner_models: list[str]                           # teacher-forcing checks
+    sampling: tuple[float, float, int] | None = None   # decoding: (z, KS p-value, tokens)
+    perplexity: tuple[float, float] | None = None      # not exact: (baseline's, the plugin's)
+    bound: float | None = None
+
+    def __str__(self) -> str:
+        lines = [f"{self.plugin} passes the conformance kit",
+                 f"  engine runs under contention: {', '.join(self.scenarios)}"]
+        if self.runner_models:
+            lines.append(f"  teacher forcing (batch invariance, logits): {', '.join(self.runner_models)}")
+        if self.sampling:
+            z, p, n = self.sampling
+            lines.append(f"  sampling: z = {z:+.2f}, KS p = {p:.2g} over {n} tokens")
+        if self.perplexity:
+            base, got = self.perplexity
+            lines.append(f"  perplexity {got:.3f} vs the baseline's {base:.3f}: ratio {got / base:.4f} "
+                         f"(bound {self.bound}; a bound just above the measured ratio catches more bugs)")
+        return "\n".join(lines)
+
+
 def check_plugin(slot: Slot | str, name: str, registry: Registry | None = None,
-                 model: LlamaModel | None = None) -> None:
-    """Every check of the kit; raises ConformanceError (an AssertionError) at the first failure."""
+                 model: LlamaModel | None = None) -> KitReport:
+    """Every check of the kit; raises ConformanceError (an AssertionError) at the first failure, or
+    returns what it measured."""
     slot = Slot(slot)
     registry = registry or default_registry()
     model = model or LlamaModel.random(preset("tiny"))
     check_declarations(registry, slot, name)
     check_config_roundtrip(registry, slot, name)
     check_requirements_enforced(registry, slot, name)
-    check_runs(registry, slot, name, model)
-    check_runner(registry, slot, name, model)
-    check_sampling(registry, slot, name, model)
-    check_quality(registry, slot, name, model)
+    report = KitReport(f"{slot.value}={name}", check_runs(registry, slot, name, model),
+                       check_runner(registry, slot, name, model))
+    report.sampling = check_sampling(registry, slot, name, model)
+    report.perplexity = check_quality(registry, slot, name, model)
+    quality = registry.get(slot, name).quality
+    report.bound = quality.max_ratio if quality else None
+    return report

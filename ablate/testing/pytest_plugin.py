@@ -4,7 +4,8 @@ is installed — including a third-party plugin package's own test suite, which 
 - the `slow` marker;
 - fixtures `ablate_registry` (the plugins found), `ablate_tiny_model` (seeded random `tiny`
   preset), `ablate_baseline_engine` (an engine of the core baselines over that model);
-- `ablate_check_plugin(slot, name)`: the conformance kit (`ablate.testing.conformance`).
+- `ablate_check_plugin(slot, name)`: the conformance kit (`ablate.testing.kit`); it returns and
+  prints what the kit ran and measured (shown with `pytest -s`).
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def ablate_baseline_engine(ablate_registry, ablate_tiny_model):
 def ablate_check_plugin(ablate_registry, ablate_tiny_model):
     from ablate.testing.kit import check_plugin
 
-    def check(slot: str, name: str) -> None:
-        check_plugin(slot, name, ablate_registry, ablate_tiny_model)
+    def check(slot: str, name: str):
+        report = check_plugin(slot, name, ablate_registry, ablate_tiny_model)
+        print(report)            # shown with pytest -s (or -rP): what was run and measured
+        return report
     return check

@@ -6,6 +6,9 @@ same texts fed token by token, as decoding would feed what it emits (ablate.engi
   another sequence's K/V fails it however it approximates);
 - exactness: an exact plugin's logits equal the baseline runner's at every position (a cache that
   writes a position late, forgets decode tokens or a layer fails it, even where greedy tokens agree).
+
+A cache or attention plugin is checked on the kit's Llama (K and V of several heads) and on an MLA
+model too, whose cache holds one latent row per token in K and nothing in V (zero width).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from ablate.api.context import EngineConfig
 from ablate.api.plugin import PluginError, Slot
 from ablate.engine.registry import Registry
 from ablate.engine.teacher import teacher_forced_logits
+from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
 from ablate.testing.scenarios import ConformanceError, arm_spec, build
 
@@ -45,9 +49,19 @@ def _far(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float, tuple[int, ...]
     return bool(diff.max() > RELATIVE_TOLERANCE * scale), float(diff.max()), divmod(worst, a.shape[-1])
 
 
-def check_runner(registry: Registry, slot: Slot, name: str, model: LlamaModel) -> None:
+def check_runner(registry: Registry, slot: Slot, name: str, model: LlamaModel) -> list[str]:
+    """Returns the models checked."""
     if slot not in (Slot.KV_CACHE, Slot.ATTENTION, Slot.MODEL):
-        return
+        return []
+    models = {model.config.name: model}
+    if slot is not Slot.MODEL:
+        models["mla-tiny"] = LlamaModel.random(preset("mla-tiny"))
+    for label, checked in models.items():
+        check_runner_on(registry, slot, name, checked, label)
+    return list(models)
+
+
+def check_runner_on(registry: Registry, slot: Slot, name: str, model: LlamaModel, label: str) -> None:
     plugin = f"{slot.value}={name}"
     spec = arm_spec(registry, slot, name)
     batch, prefill = texts(model.config.vocab_size)
@@ -55,14 +69,14 @@ def check_runner(registry: Registry, slot: Slot, name: str, model: LlamaModel) -
         together = forced(registry, spec, model, batch, prefill)
         alone = [forced(registry, spec, model, [t], [p])[0] for t, p in zip(batch, prefill)]
     except PluginError as err:
-        raise ConformanceError(f"{plugin} fails the kit under teacher forcing: {err}") from err
+        raise ConformanceError(f"{plugin} fails the kit under teacher forcing ({label} model): {err}") from err
     for i, (a, b) in enumerate(zip(together, alone)):
         far, diff, (row, _) = _far(a, b)
         if far:
             raise ConformanceError(
-                f"{plugin} breaks batch invariance: text {i}'s logits at position {prefill[i] + row} differ by "
-                f"{diff:.3g} when it runs beside {len(batch) - 1} other texts rather than alone: a sequence must "
-                "only ever see its own K/V")
+                f"{plugin} breaks batch invariance ({label} model): text {i}'s logits at position "
+                f"{prefill[i] + row} differ by {diff:.3g} when it runs beside {len(batch) - 1} other texts rather "
+                "than alone: a sequence must only ever see its own K/V")
     if not registry.get(slot, name).exact:
         return
     baseline = forced(registry, {}, model, batch, prefill)
@@ -70,6 +84,7 @@ def check_runner(registry: Registry, slot: Slot, name: str, model: LlamaModel) -
         far, diff, (row, _) = _far(a, b)
         if far:
             raise ConformanceError(
-                f"{plugin} is declared exact but its logits differ from the baseline's by {diff:.3g} at position "
-                f"{prefill[i] + row} of text {i} (teacher forcing; rounding allows {RELATIVE_TOLERANCE:g} of the "
-                "largest logit): a K/V written at the wrong position, a token or layer not stored, or a wrong view")
+                f"{plugin} is declared exact but its logits ({label} model) differ from the baseline's by "
+                f"{diff:.3g} at position {prefill[i] + row} of text {i} (teacher forcing; rounding allows "
+                f"{RELATIVE_TOLERANCE:g} of the largest logit): a K/V written at the wrong position, a token or "
+                "layer not stored, or a wrong view")

@@ -121,9 +121,10 @@ def sampling_statistics(model: LlamaModel, seqs, params: SamplingParams, seed: i
     return z, ks_p_value(torch.cat(pits)), ll.numel()
 
 
-def check_sampling(registry: Registry, slot: Slot, name: str, model: LlamaModel) -> None:
+def check_sampling(registry: Registry, slot: Slot, name: str, model: LlamaModel) -> tuple[float, float, int] | None:
+    """Decoding plugins: (z, KS p-value, tokens) of a passing test; None for the other slots."""
     if slot is not Slot.DECODING:
-        return
+        return None
     plugin = f"{slot.value}={name}"
     params = SamplingParams(temperature=TEMPERATURE)
     model = cyclic_model(model)
@@ -146,3 +147,4 @@ def check_sampling(registry: Registry, slot: Slot, name: str, model: LlamaModel)
             f"{TEMPERATURE}) the log-likelihood z = {z:+.2f} (limit {Z_LIMIT}) and the KS p-value of the "
             f"randomized PIT = {ks_p:.2g} (limit {KS_P_LIMIT:g}); an exact sampler gives |z| < {Z_LIMIT} and p > "
             f"{KS_P_LIMIT:g} all but ~1e-4 of the time")
+    return z, ks_p, n

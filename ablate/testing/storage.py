@@ -3,7 +3,7 @@
 The rules, with committed(s) the tokens the engine committed for sequence s, and storage the bytes
 of every tensor the cache object holds:
 
-    bytes_used() <= bytes_reserved() <= storage
+    bytes_used() <= bytes_reserved() <= storage, and <= kv_cache.budget_bytes when one is set
     exact caches (they keep every token): bytes_used() == sum_s committed(s) x bytes_per_token
                                           and that many bytes fit in storage
     others:                               bytes_used() <= sum_s committed(s) x bytes_per_token
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ablate.api.kv import KVBudgetConfig
 from ablate.api.kv_cache import KVCache
 from ablate.api.step import Batch
 from ablate.measure.recorder import StepHook
@@ -45,6 +46,8 @@ class StorageCheck(StepHook):
         self.cache = cache
         self.problems: list[str] = []
         self.max_used = 0
+        config = cache.config            # an explicit budget in bytes bounds what it may reserve
+        self.budget = config.budget_bytes if isinstance(config, KVBudgetConfig) else 0
 
     def on_step_end(self, batch: Batch, emitted: dict[int, list[int]], at: float) -> None:
         if self.problems:
@@ -62,6 +65,8 @@ class StorageCheck(StepHook):
             self.problems.append(f"bytes_used() {used} exceeds bytes_reserved() {reserved}")
         elif reserved > storage:
             self.problems.append(f"bytes_reserved() {reserved} exceeds the {storage} bytes of tensors it holds")
+        elif self.budget and reserved > self.budget:
+            self.problems.append(f"bytes_reserved() {reserved} exceeds kv_cache.budget_bytes={self.budget}")
         elif type(cache).exact and used != committed:
             self.problems.append(f"bytes_used() {used} differs from the committed tokens x bytes_per_token = "
                                  f"{committed} (an exact cache keeps every committed token)")

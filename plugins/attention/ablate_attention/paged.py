@@ -34,7 +34,7 @@ class PagedAttentionConfig(PluginConfig):
             raise ValueError(f"attention.backend must be one of {BACKENDS}, got {self.backend!r}")
 
 
-def gathered_attention(q: torch.Tensor, view: PagedKV, step: StepInputs) -> torch.Tensor:
+def gathered_attention(q: torch.Tensor, view: KVView, step: StepInputs) -> torch.Tensor:
     """The PyTorch path: gather K/V through the block tables, then masked SDPA. q (T, H, D) -> (T, H, D)."""
     k, v = view.padded(step)                                   # (B, S, H_kv, D): k_cache[block_tables] flattened
     qp = pad_queries(q, step).transpose(1, 2)                  # (B, H, Lq, D)
@@ -75,7 +75,10 @@ class PagedAttention(Attention):
 
     def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs) -> torch.Tensor:
         if not isinstance(view, PagedKV):
-            raise TypeError(f"attention=paged reads a paged cache's block tables, got {type(view).__name__}")
+            # K/V the model built from the cached rows itself (MLA's explicit path up-projects its
+            # latents into padded K and V): no block tables to walk, the generic path reads them
+            self.backends.setdefault("unpaged", "torch")
+            return gathered_attention(q, view, step)
         if step.is_decode and self.use_triton:
             self.backends["decode"] = "triton"
             # q (B, H, D): one query per sequence; keys of sequence b at block_tables[b, p // bs], p % bs

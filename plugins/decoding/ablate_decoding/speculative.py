@@ -88,8 +88,8 @@ def kept_tokens(seq: Sequence, tokens: list[int]) -> list[int]:
     return tokens
 
 
-def _stat(key: str, description: str, unit: str = "", aggregate: str = "median", predicts: str = "") -> Stat:
-    return Stat(key, description, unit, aggregate, table="Speculative decoding", predicts=predicts)
+def _stat(key: str, description: str, unit: str = "", aggregate: str = "median") -> Stat:
+    return Stat(key, description, unit, aggregate, table="Speculative decoding")
 
 
 class Speculative(Decoding):
@@ -103,8 +103,8 @@ class Speculative(Decoding):
         _stat("acceptance_rate", "accepted / proposed", "fraction"),
         _stat("tokens_per_target_forward", "tokens emitted per target pass of a sequence", "x"),
         _stat("cost_ratio", "draft time per token / target time per step (c)", "ratio"),
-        _stat("predicted_speedup", "(1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)), from the measured alpha and c", "x",
-              predicts="speedup"),
+        _stat("predicted_speedup", "over autoregressive decoding: (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)), "
+              "from the measured alpha and c", "x"),
         Stat("proposed_tokens", "draft tokens proposed", "count"),
         Stat("accepted_tokens", "draft tokens accepted", "count"),
         Stat("acceptance_by_position", "acceptance at draft positions 1..k", "text", "first"),

@@ -3,6 +3,7 @@ each other in one direction (no cycles), and no module grows past what one readi
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +91,15 @@ def test_the_code_is_lint_clean():
     lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(REPO)], capture_output=True,
                           text=True, cwd=REPO)
     assert lint.returncode == 0, lint.stdout[-3000:] + lint.stderr[-1000:]
+
+
+def test_the_core_never_names_a_plugins_stat():
+    """Reports, summaries and analyses take plugin columns (`<slot>.<key>`) from the plugins'
+    declarations (Plugin.reported_stats), never from a key written into the core."""
+    slots = ("variant", "kv_cache", "attention", "scheduler", "decoding")
+    pattern = re.compile(r"""["'](?:%s)\.[a-z_]+["']""" % "|".join(slots))
+    core = [p for p in REPO.glob("ablate/**/*.py")
+            if not {"api", "testing", "baselines", "data", "checkpoints"} & set(p.parts)]   # GGUF keys look alike
+    named = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in core
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not named, "the core names plugin stats:\n" + "\n".join(named)

@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ablate.report.declared import Declarations
 from ablate.results import Results, load
 
 METRICS = ("speedup", "duration_s", "output_throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-           "tpot_p99_ms", "peak_memory_bytes", "kv_reserved_peak_bytes", "decoding.alpha")
+           "tpot_p99_ms", "peak_memory_bytes", "kv_reserved_peak_bytes")
 NOT_COMPARED = ("results_dir", "wandb", "redo")      # config keys that say where, not what, was measured
 ENVIRONMENT = ("device", "device_name", "git_commit", "python", "platform", "versions")
 MIN_REPEATS = 2
@@ -98,13 +99,16 @@ def compare(path_a: str, path_b: str) -> pd.DataFrame:
     point_keys = list(dict.fromkeys(grids[0] + grids[1]))
     runs_a, runs_b = with_round_speedups(a, point_keys), with_round_speedups(b, point_keys)
     keys = [*point_keys, "arm"]
+    # the core's metrics, then the numeric stats the plugins of both runs declare in a report table
+    declared = {**Declarations.load(a.path).stats, **Declarations.load(b.path).stats}
+    metrics = [*METRICS, *(column for column, stat in declared.items() if stat.table and stat.unit != "text")]
     rows = []
     for key, frame_a in runs_a.groupby(keys, sort=False):
         mask = np.logical_and.reduce([runs_b[k] == v for k, v in zip(keys, key)])
         frame_b = runs_b[mask]
         if frame_b.empty:
             continue
-        for metric in METRICS:
+        for metric in metrics:
             if metric not in frame_a or metric not in frame_b or frame_a[metric].isna().all():
                 continue
             values_a, values_b = frame_a[metric].to_numpy(float), frame_b[metric].to_numpy(float)

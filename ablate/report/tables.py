@@ -12,7 +12,7 @@ from ablate.report.declared import Declarations
 
 # how the report names measured columns that a plugin's stat may predict
 MEASURED_LABELS = {"kv_util_mean": "KV util", "seqs_admitted_while_queued": "seqs at once",
-                   "kv_cache.kv_frag_slots_per_seq_mean": "waste/seq", "speedup": "speedup [95% CI]"}
+                   "speedup": "speedup [95% CI]"}
 
 
 def _missing(x) -> bool:
@@ -137,7 +137,8 @@ def plugin_tables(frame: pd.DataFrame, point_keys: list[str], declared: Declarat
             if measured and measured in rows:
                 shown = (rows.apply(speedup_text, axis=1) if measured == "speedup"
                          else rows[measured].map(_measured_format(measured, declared)))
-                label = f"{MEASURED_LABELS.get(measured, measured)} (predicted)"
+                measured_label = declared.stats[measured].key if measured in declared.stats else measured
+                label = f"{MEASURED_LABELS.get(measured, measured_label)} (predicted)"
                 values = [f"{m} ({p})" for m, p in zip(shown, values)]
             table[label] = list(values)
         tables[heading] = table

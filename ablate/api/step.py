@@ -9,7 +9,7 @@ import torch
 from ablate.api.sequence import Sequence
 
 
-@dataclass(frozen=True)
+@dataclass
 class Batch:
     """Which sequences run this step and how many new tokens each feeds.
 
@@ -30,9 +30,8 @@ class Batch:
             raise ValueError(f"Batch needs one num_new_tokens entry per sequence, got {len(self.seqs)} "
                              f"sequences and {len(self.num_new_tokens)} entries")
         if not self.num_lookahead_tokens:
-            object.__setattr__(self, "num_lookahead_tokens", [0] * len(self.seqs))
-        object.__setattr__(self, "emits", [s.num_computed_tokens + n == s.num_tokens
-                                           for s, n in zip(self.seqs, self.num_new_tokens)])
+            self.num_lookahead_tokens = [0] * len(self.seqs)
+        self.emits = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
 
     def __len__(self) -> int:
         return len(self.seqs)

@@ -8,7 +8,6 @@ after a run that every request finished and every plugin gave back what it held.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
@@ -38,9 +37,9 @@ class Engine:
         self.seqs: dict[int, Sequence] = {}     # every sequence of the current run, by id
 
     # -- one step ----------------------------------------------------------------------------------
-    def step(self, batch: Batch) -> list[Sequence]:
-        """Run one batch; returns the sequences that finished in it."""
-        batch = self.checked(batch)
+    def step(self, batch: Batch) -> dict[int, list[int]]:
+        """Run one batch; returns the tokens each sequence kept (seq_id -> tokens; none in a prompt chunk)."""
+        self.checked(batch)
         start = dev.now(self.device)
         for hook in self.hooks:
             hook.on_step_start(batch, start)
@@ -52,14 +51,15 @@ class Engine:
             hook.on_step_end(batch, kept, end)
         with blame(self.scheduler, "finish_step"):
             self.scheduler.finish_step(batch)
-        finished = [seq for seq in batch.seqs if seq.seq_id in kept and seq.is_finished]
-        for seq in finished:
-            for hook in self.hooks:
-                hook.on_finish(seq, end)
-        return finished
+        for seq in batch.seqs:
+            if seq.seq_id in kept and seq.is_finished:
+                for hook in self.hooks:
+                    hook.on_finish(seq, end)
+        return kept
 
     def checked(self, batch: Batch) -> Batch:
-        """The scheduler's batch, checked, with the draft room the cache holds beyond its new tokens."""
+        """The scheduler's batch, checked, with the draft room the cache holds beyond its new tokens
+        filled in (num_lookahead_tokens)."""
         sched, limits = self.scheduler, self.config
         if not batch.seqs:
             raise PluginError(sched, "next_batch", "returned an empty batch (return None when nothing can run)")
@@ -73,7 +73,7 @@ class Engine:
             raise PluginError(sched, "next_batch", "a sequence appears twice in one batch")
         holders = self.kv_cache.room_holders()
         if len(holders) > limits.max_num_seqs:
-            done = sorted(i for i in holders if i in self.seqs and self.seqs[i].is_finished)
+            done = self._finished(holders)
             raise PluginError(sched, "next_batch", f"{len(holders)} sequences hold room, more than "
                               f"engine.max_num_seqs={limits.max_num_seqs}" + (
                                   f"; {done} finished but still hold it (finish_step must release them)" if done else ""))
@@ -90,7 +90,8 @@ class Engine:
                 raise PluginError(sched, "next_batch", f"sequence {seq.seq_id} feeds up to token {need} but holds "
                                   f"room for {room}: call grow() (or admit()) before batching it")
             lookahead.append(room - need)
-        return dataclasses.replace(batch, num_lookahead_tokens=lookahead)
+        batch.num_lookahead_tokens = lookahead
+        return batch
 
     def commit(self, batch: Batch, emitted: dict[int, list[int]]) -> dict[int, list[int]]:
         """Apply the step: each sequence's new tokens and computed count, then what its cache keeps.
@@ -131,7 +132,6 @@ class Engine:
             raise ValueError(f"request {pending[-1].request_id} arrives {pending[-1].arrival_time:.0f} s after the "
                              f"start (more than {MAX_IDLE_WAIT_S:.0f} s): are its arrival times absolute (Unix "
                              "time)? They are seconds after the workload starts")
-        seqs: list[Sequence] = []
         self.seqs = {}
         t0 = dev.now(self.device)
         steps_without_output, patience = 0, self._patience(requests)
@@ -139,7 +139,6 @@ class Engine:
             elapsed = time.perf_counter() - t0
             while pending and pending[0].arrival_time <= elapsed:
                 seq = Sequence(pending.pop(0))
-                seqs.append(seq)
                 self.seqs[seq.seq_id] = seq
                 with blame(self.scheduler, "add"):
                     self.scheduler.add(seq)
@@ -148,19 +147,17 @@ class Engine:
             with blame(self.scheduler, "next_batch"):
                 batch = self.scheduler.next_batch()
             if batch is not None:
-                before = sum(s.num_output_tokens for s in batch.seqs)
-                self.step(batch)
-                progressed = sum(s.num_output_tokens for s in batch.seqs) > before
-                steps_without_output = 0 if progressed else steps_without_output + 1
+                kept = self.step(batch)
+                steps_without_output = 0 if kept else steps_without_output + 1
                 if steps_without_output > patience:
                     raise PluginError(self.scheduler, "next_batch", f"{patience} steps in a row emitted no token: "
                                       "sequences are preempted or fed forever without progress")
             elif pending:     # idle until the next request arrives
                 time.sleep(max(0.0, pending[0].arrival_time - (time.perf_counter() - t0)))
             else:
-                raise self._stalled([s for s in seqs if not s.is_finished])
-        self._check_after_run(seqs)
-        return sorted(seqs, key=lambda s: s.seq_id)
+                raise self._stalled([s for s in self.seqs.values() if not s.is_finished])
+        self._check_after_run()
+        return sorted(self.seqs.values(), key=lambda s: s.seq_id)
 
     @staticmethod
     def _patience(requests: Seq[Request]) -> int:
@@ -174,7 +171,7 @@ class Engine:
         if not stuck:
             return PluginError(self.scheduler, "has_unfinished", "says sequences remain but every one has finished")
         holders = self.kv_cache.room_holders()
-        done = sorted(i for i in holders if i in self.seqs and self.seqs[i].is_finished)
+        done = self._finished(holders)
         if done and len(done) == len(holders):
             return PluginError(self.scheduler, "finish_step", f"sequences {done} finished but still hold room while "
                                f"sequences {ids} wait: finish_step must release them")
@@ -193,8 +190,12 @@ class Engine:
         return PluginError(self.scheduler, "next_batch", f"returns nothing while sequences {ids} wait and "
                            f"{self.kv_cache.num_seqs_admitted()} sequences hold room")
 
-    def _check_after_run(self, seqs: list[Sequence]) -> None:
-        unfinished = [s.seq_id for s in seqs if not s.is_finished]
+    def _finished(self, seq_ids: list[int]) -> list[int]:
+        """Those of `seq_ids` that are finished sequences of this run."""
+        return sorted(i for i in seq_ids if i in self.seqs and self.seqs[i].is_finished)
+
+    def _check_after_run(self) -> None:
+        unfinished = [i for i, s in self.seqs.items() if not s.is_finished]
         if unfinished:
             raise PluginError(self.scheduler, "has_unfinished", f"returned False while sequences {unfinished} never "
                               "finished: a scheduler must keep every request it was given until it finishes")

@@ -61,6 +61,8 @@ class ModelRunner:
         return step, logits_rows
 
     def check_drafts(self, batch: Batch, draft_tokens: dict[int, list[int]]) -> None:
+        if not draft_tokens:
+            return
         index = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
         for seq_id, drafts in draft_tokens.items():
             i = index.get(seq_id)

@@ -27,7 +27,8 @@ class Shadow(Sequence):
         self.start()
 
     def sync(self, token_ids: list[int], num_computed: int) -> None:
-        self._token_ids = list(token_ids)
+        """Now it knows `token_ids` (the list itself, not a copy) and its cache holds the first `num_computed`."""
+        self._token_ids = token_ids
         self._num_computed_tokens = num_computed
 
 
@@ -71,9 +72,9 @@ class ModelRunSession:
         return logits, mask
 
     def sync(self, seq: Sequence, tokens: list[int]) -> Shadow | None:
-        """The shadow of `seq` brought up to `tokens`: its cache keeps their longest prefix it holds
-        (what no longer matches, rejected drafts, is rolled back) and has room for the rest; None when
-        there is no room (the target then gets no drafts this step)."""
+        """The shadow of `seq` brought up to `tokens` (a list the session keeps: pass a fresh one): its
+        cache keeps their longest prefix it holds (what no longer matches, rejected drafts, is rolled
+        back) and has room for the rest; None when there is no room (then no drafts this step)."""
         held = self.shadows.get(seq.seq_id)
         if held is None or held[0] is not seq:
             if held is not None:

@@ -32,7 +32,7 @@ from typing import Any
 import pandas as pd
 
 from ablate.api.plugin import PluginConfig, Slot
-from ablate.engine.arm import BASELINE, MODEL_KEY, Arm, IncompatiblePlugins, resolve_arm
+from ablate.engine.arm import BASELINE, MODEL_KEY, Arm, ArmSpec, IncompatiblePlugins, resolve_arm
 from ablate.engine.registry import Registry
 
 BASELINE_ARM = "baseline"
@@ -99,7 +99,6 @@ def parse_ablation(raw: dict[str, Any]) -> AblationConfig:
         raise ValueError("experiment.ablation.techniques must map technique names to "
                          "{overrides: {slot: plugin, ...}, requires: [names]}")
     techniques = []
-    slots = {s.value for s in Slot}
     for name, spec in declared.items():
         where = f"experiment.ablation.techniques.{name}"
         if not re.fullmatch(r"[A-Za-z0-9_]+", name):
@@ -111,12 +110,7 @@ def parse_ablation(raw: dict[str, Any]) -> AblationConfig:
         overrides = dict(spec.get("overrides") or {})
         if not overrides:
             raise ValueError(f"{where}.overrides must set at least one slot, e.g. {{kv_cache: contiguous}}")
-        bad = sorted(set(overrides) - slots - {MODEL_KEY})
-        if bad:
-            raise ValueError(f"{where}.overrides: unknown slot {', '.join(bad)}; slots are "
-                             f"{', '.join(sorted(slots))} (and `{MODEL_KEY}` for model fields)")
-        if MODEL_KEY in overrides and not isinstance(overrides[MODEL_KEY], dict):
-            raise ValueError(f"{where}.overrides.{MODEL_KEY} must map model fields to values")
+        ArmSpec.parse(f"{where}.overrides", overrides)     # refuses unknown slots and malformed choices
         requires = spec.get("requires") or []
         if isinstance(requires, str):
             requires = [requires]

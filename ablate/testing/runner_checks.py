@@ -42,11 +42,15 @@ def forced(registry: Registry, spec: dict, model: LlamaModel, batch: list[list[i
         built.close()
 
 
-def _far(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float, tuple[int, ...]]:
-    diff = (a - b).abs()
-    scale = max(1.0, float(b.abs().max()))
-    worst = int(diff.argmax())
-    return bool(diff.max() > RELATIVE_TOLERANCE * scale), float(diff.max()), divmod(worst, a.shape[-1])
+def first_far(got: list[torch.Tensor], want: list[torch.Tensor], prefill: list[int]) -> tuple[int, int, float] | None:
+    """(text, position, difference) of the first text whose logits differ from `want`'s by more
+    than rounding (RELATIVE_TOLERANCE of the largest logit); None when none does."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        diff = (a - b).abs()                                    # (n, V)
+        if float(diff.max()) > RELATIVE_TOLERANCE * max(1.0, float(b.abs().max())):
+            row = int(diff.argmax()) // a.shape[-1]
+            return i, prefill[i] + row, float(diff.max())
+    return None
 
 
 def check_runner(registry: Registry, slot: Slot, name: str, model: LlamaModel) -> list[str]:
@@ -70,21 +74,17 @@ def check_runner_on(registry: Registry, slot: Slot, name: str, model: LlamaModel
         alone = [forced(registry, spec, model, [t], [p])[0] for t, p in zip(batch, prefill)]
     except PluginError as err:
         raise ConformanceError(f"{plugin} fails the kit under teacher forcing ({label} model): {err}") from err
-    for i, (a, b) in enumerate(zip(together, alone)):
-        far, diff, (row, _) = _far(a, b)
-        if far:
-            raise ConformanceError(
-                f"{plugin} breaks batch invariance ({label} model): text {i}'s logits at position "
-                f"{prefill[i] + row} differ by {diff:.3g} when it runs beside {len(batch) - 1} other texts rather "
-                "than alone: a sequence must only ever see its own K/V")
+    if far := first_far(together, alone, prefill):
+        i, position, diff = far
+        raise ConformanceError(
+            f"{plugin} breaks batch invariance ({label} model): text {i}'s logits at position {position} differ "
+            f"by {diff:.3g} when it runs beside {len(batch) - 1} other texts rather than alone: a sequence must "
+            "only ever see its own K/V")
     if not registry.get(slot, name).exact:
         return
-    baseline = forced(registry, {}, model, batch, prefill)
-    for i, (a, b) in enumerate(zip(together, baseline)):
-        far, diff, (row, _) = _far(a, b)
-        if far:
-            raise ConformanceError(
-                f"{plugin} is declared exact but its logits ({label} model) differ from the baseline's by "
-                f"{diff:.3g} at position {prefill[i] + row} of text {i} (teacher forcing; rounding allows "
-                f"{RELATIVE_TOLERANCE:g} of the largest logit): a K/V written at the wrong position, a token or "
-                "layer not stored, or a wrong view")
+    if far := first_far(together, forced(registry, {}, model, batch, prefill), prefill):
+        i, position, diff = far
+        raise ConformanceError(
+            f"{plugin} is declared exact but its logits ({label} model) differ from the baseline's by {diff:.3g} "
+            f"at position {position} of text {i} (teacher forcing; rounding allows {RELATIVE_TOLERANCE:g} of the "
+            "largest logit): a K/V written at the wrong position, a token or layer not stored, or a wrong view")

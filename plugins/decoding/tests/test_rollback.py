@@ -118,7 +118,7 @@ def test_draft_cache_after_rejection(kv_cache, build, target, make_requests, ref
         built.engine.step(built.engine.scheduler.next_batch())
     session = decoding.drafter.session
     held = session.shadows[seq.seq_id][1].num_computed_tokens
-    shadow = session.sync(seq, seq.token_ids)
+    shadow = session.sync(seq, list(seq.token_ids))
     computed = shadow.num_computed_tokens
     # the draft computed the history and the drafts it fed; only the accepted ones stay
     assert computed <= held and computed <= seq.num_tokens - 1

@@ -206,16 +206,14 @@ class BlockManager:
         self.num_tokens[seq_id] = n
         return copies
 
-    def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
-        """The K/V of `token_ids` (this sequence's first tokens) is computed: register its full blocks.
-
-        Call it when the step that computes them is set up: a sequence admitted at a later step may
-        then take them, and reads them only after this step has written them.
-        """
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_tokens: int | None = None) -> None:
+        """The K/V of the first `num_tokens` of `token_ids` (default: all) is computed: register the
+        full blocks they fill, so that a sequence admitted later may take them."""
         if not self.enable_prefix_caching:
             return
         table, bs = self.block_tables[seq_id], self.block_size
-        num_full = min(len(token_ids), self.num_tokens[seq_id]) // bs
+        num_computed = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
+        num_full = min(num_computed, self.num_tokens[seq_id]) // bs
         for i in range(self.num_registered[seq_id], num_full):
             block = self.blocks[table[i]]
             if block.content_id:               # registered by another holder (a fork) already

@@ -105,7 +105,7 @@ class PagedKVCache(KVCache):
     def keep(self, seq: Sequence, num_tokens: int) -> None:
         if self.manager.num_tokens[seq.seq_id] > num_tokens:     # drafts rejected: give their blocks back
             self.manager.truncate(seq.seq_id, num_tokens)
-        self.manager.commit(seq.seq_id, seq.token_ids[:num_tokens])   # prefix caching: register full blocks
+        self.manager.commit(seq.seq_id, seq.token_ids, num_tokens)     # prefix caching: register full blocks
 
     def free(self, seq: Sequence) -> None:
         self.manager.free(seq.seq_id)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ablate.api.kv import KVSpec, KVView
-from ablate.api.plugin import Plugin, PluginConfig, PluginError, Slot
+from ablate.api.plugin import Plugin, PluginConfig, PluginError, Slot, blame
 from ablate.api.sequence import Sequence
 from ablate.api.step import StepInputs
 
@@ -72,13 +72,9 @@ class KVCache(Plugin):
         held = self._room.get(seq.seq_id)
         if held is not None and need <= held:
             return True
-        try:
+        with blame(self, "reserve"):
             if not self.reserve(seq, need):
                 return False
-        except (PluginError, ValueError):
-            raise
-        except Exception as err:       # a failure inside the plugin: name it
-            raise PluginError(self, "reserve", f"{type(err).__name__}: {err}") from err
         self._room[seq.seq_id] = need
         self._committed.setdefault(seq.seq_id, seq.num_computed_tokens)
         return True
@@ -100,12 +96,8 @@ class KVCache(Plugin):
         if room is None or not 0 <= num_tokens <= room:
             raise PluginError("engine", "commit", f"sequence {seq.seq_id}: {num_tokens} tokens committed to {self}, "
                               f"which holds room for {room or 0}")
-        try:
+        with blame(self, "keep"):
             self.keep(seq, num_tokens)
-        except (PluginError, ValueError):
-            raise
-        except Exception as err:       # a failure inside the plugin: name it
-            raise PluginError(self, "keep", f"{type(err).__name__}: {err}") from err
         self._committed[seq.seq_id] = num_tokens
         self._room[seq.seq_id] = num_tokens
 
@@ -114,12 +106,8 @@ class KVCache(Plugin):
         if self._room.pop(seq.seq_id, None) is None:
             return
         del self._committed[seq.seq_id]
-        try:
+        with blame(self, "free"):
             self.free(seq)
-        except (PluginError, ValueError):
-            raise
-        except Exception as err:       # a failure inside the plugin: name it
-            raise PluginError(self, "free", f"{type(err).__name__}: {err}") from err
 
     def room(self, seq: Sequence) -> int:
         """Tokens allocated for `seq` (0: it holds nothing)."""

@@ -7,8 +7,6 @@ class. The core's baselines are plugins too, found the same way.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -151,13 +149,20 @@ class PluginError(RuntimeError):
         super().__init__(f"{self.plugin}.{method}: {problem}")
 
 
-@contextmanager
-def blame(plugin: Plugin | str, method: str) -> Iterator[None]:
-    """Run a call into a plugin: a failure inside it becomes a PluginError naming the plugin and the
-    method (a ValueError, a bad option or input the plugin reports itself, passes through)."""
-    try:
-        yield
-    except (PluginError, ValueError):
-        raise
-    except Exception as err:
-        raise PluginError(plugin, method, f"{type(err).__name__}: {err}") from err
+class blame:
+    """`with blame(plugin, method): ...` runs a call into a plugin: a failure inside it becomes a
+    PluginError naming the plugin and the method (a ValueError, a bad option or input the plugin
+    reports itself, passes through). A class, not a generator: it wraps calls made every step."""
+
+    __slots__ = ("plugin", "method")
+
+    def __init__(self, plugin: Plugin | str, method: str) -> None:
+        self.plugin, self.method = plugin, method
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> None:
+        if kind is None or issubclass(kind, (PluginError, ValueError)) or not issubclass(kind, Exception):
+            return
+        raise PluginError(self.plugin, self.method, f"{kind.__name__}: {err}") from err

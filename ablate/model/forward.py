@@ -1,7 +1,11 @@
 """The slots one forward pass goes through: each layer stores its K/V in the cache, reads the layer's
 view back and attends over it. Failures inside a plugin, and views or outputs of the wrong shape,
 are reported as PluginError naming the plugin and the method; shapes are checked on the first layer
-(every layer of a step has the same)."""
+(every layer of a step has the same).
+
+The calls are wrapped in plain try blocks rather than ablate.api.blame: they run three times a layer
+on every step, where a try costs nothing, and a ValueError raised there is a plugin's bug to name,
+not an option it reports."""
 from __future__ import annotations
 
 from dataclasses import dataclass

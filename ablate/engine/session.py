@@ -66,7 +66,7 @@ class ModelRunSession:
         batch = Batch(batch_seqs, num_new)
         logits = self.runner.forward(batch).logits                   # (B', V): one row each, at its last token
         self._passes += 1
-        for shadow, n in zip(batch_seqs, num_new):
+        for shadow in batch_seqs:
             shadow.sync(shadow.token_ids, shadow.num_tokens)         # everything it was fed is computed
             self.kv_cache.commit(shadow, shadow.num_tokens)
         return logits, mask

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from ablate.analysis.analytic import CostModel
-from ablate.analysis.stats import ratio_summary
+from ablate.analysis.stats import log_interval
 from ablate.api.context import EngineConfig
 from ablate.checkpoints.loader import load_model
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
@@ -88,14 +88,14 @@ def main() -> None:
             wall = {rec: run_once(arm, model, requests, engine, registry, None, record=rec).row["wall_s"]
                     for rec in order}
             ratios.append(wall[True] / wall[False])
-        s = ratio_summary(np.array(ratios) - 1.0)
+        s = log_interval(np.array(ratios))     # on/off time ratio: its geometric mean and t CI
         max_len = args.prompt_len + args.output_len
         shares = [hook_share(arm, model, requests, engine, registry, max_len) for _ in range(args.repeats)]
-        figures[f"batch_{batch}"] = {"end_to_end": s, "hook_share_median": float(np.median(shares)),
+        figures[f"batch_{batch}"] = {"end_to_end": [s.center - 1, s.low - 1, s.high - 1], "hook_share_median": float(np.median(shares)),
                                      "hook_share_max": float(np.max(shares))}
         print(f"batch {batch}: time inside the recorder's hooks {np.median(shares):.3%} of the run "
               f"(max {np.max(shares):.3%} over {args.repeats} runs); end to end on/off "
-              f"{s['median']:+.2%} [{s['ci_low']:+.2%}, {s['ci_high']:+.2%}] over {args.repeats} pairs")
+              f"{s.center - 1:+.2%} [{s.low - 1:+.2%}, {s.high - 1:+.2%}] over {args.repeats} pairs")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(figures, f, indent=2)

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from ablate.analysis.stats import ratio_summary
+from ablate.analysis.stats import log_interval
 from ablate.api.context import EngineConfig
 from ablate.api.sequence import Request
 from ablate.checkpoints.loader import checkpoint_path, load_model, load_tokenizer
@@ -93,13 +93,14 @@ def main() -> None:
                         mbu.append(row["mbu_decode"])
                     else:
                         theirs_tps.append(batch * args.output_len / hf_generate(theirs, prompts, args.output_len))
-            ratio = ratio_summary(np.array(ours_tps) / np.array(theirs_tps))
+            ratio = log_interval(np.array(ours_tps) / np.array(theirs_tps))
             key = f"{dtype_name}_batch{batch}"
             figures[key] = {"ablate_tok_s": float(np.median(ours_tps)), "transformers_tok_s": float(np.median(theirs_tps)),
-                            "speedup": ratio, "mbu_decode": float(np.median(mbu)), "load_s": load_s}
+                            "speedup": ratio.center, "speedup_ci": [ratio.low, ratio.high],
+                            "mbu_decode": float(np.median(mbu)), "load_s": load_s}
             print(f"{dtype_name} batch {batch}: ablate {np.median(ours_tps):.1f} tok/s, transformers "
-                  f"{np.median(theirs_tps):.1f} tok/s -> {ratio['median']:.2f}x [{ratio['ci_low']:.2f}, "
-                  f"{ratio['ci_high']:.2f}]; MBU {np.median(mbu):.0%} of {peaks.bandwidth_bytes_s / 1e9:.1f} GB/s")
+                  f"{np.median(theirs_tps):.1f} tok/s -> {ratio.text()}; "
+                  f"MBU {np.median(mbu):.0%} of {peaks.bandwidth_bytes_s / 1e9:.1f} GB/s")
         del ours, theirs
     if args.out:
         with open(args.out, "w") as f:

@@ -148,24 +148,24 @@ def test_independent_effects_give_equal_add_one_in_and_leave_one_out_and_no_inte
     table = contributions(synthetic_runs(cfg, arms), arms, cfg)
     for technique, effect in EFFECTS.items():
         add = pick(table, technique, "output_throughput_tok_s", "add_one_in")
-        assert (add["median"], add["ci_low"], add["ci_high"]) == pytest.approx((effect,) * 3) and add["rounds"] == 3
+        assert (add["ratio"], add["ci_low"], add["ci_high"]) == pytest.approx((effect,) * 3) and add["rounds"] == 3
         inter = pick(table, technique, "output_throughput_tok_s", "interaction")
-        assert inter["median"] == pytest.approx(1.0) and not inter["interacts"]
+        assert inter["ratio"] == pytest.approx(1.0) and not inter["interacts"]
     # leaving the KV cache out removes paged as well: 4 x 1.25
     loo = pick(table, "kv_cache", "output_throughput_tok_s", "leave_one_out")
-    assert loo["median"] == pytest.approx(5.0) and loo["with_arm"] == "full" and loo["without_arm"] == "+batching"
+    assert loo["ratio"] == pytest.approx(5.0) and loo["with_arm"] == "full" and loo["without_arm"] == "+batching"
     assert "also removes paged" in loo["note"]
     assert "over kv_cache" in pick(table, "paged", "output_throughput_tok_s", "add_one_in")["note"]
-    assert pick(table, "all", "output_throughput_tok_s", "full_vs_baseline")["median"] == pytest.approx(10.0)
-    assert pick(table, "batching", "ttft_p99_ms", "leave_one_out")["median"] == pytest.approx(0.5)
+    assert pick(table, "all", "output_throughput_tok_s", "full_vs_baseline")["ratio"] == pytest.approx(10.0)
+    assert pick(table, "batching", "ttft_p99_ms", "leave_one_out")["ratio"] == pytest.approx(0.5)
     # KV bytes: paged 800 / contiguous 1000; over the baseline's zero bytes there is no ratio
-    assert pick(table, "paged", "kv_reserved_peak_bytes", "add_one_in")["median"] == pytest.approx(0.8)
-    assert np.isnan(pick(table, "kv_cache", "kv_reserved_peak_bytes", "add_one_in")["median"])
+    assert pick(table, "paged", "kv_reserved_peak_bytes", "add_one_in")["ratio"] == pytest.approx(0.8)
+    assert np.isnan(pick(table, "kv_cache", "kv_reserved_peak_bytes", "add_one_in")["ratio"])
     # pairs.false adds no arm, but the data has two squares: kv_cache, batching, both (-paged) and
     # neither; paged (with kv_cache), batching, full and the baseline
     pairs = table[(table["kind"] == "pair") & (table["metric"] == "output_throughput_tok_s")]
     assert list(pairs["technique"]) == ["kv_cache x batching", "paged x batching"]
-    assert pairs["median"].to_numpy() == pytest.approx(1.0) and not pairs["interacts"].any()
+    assert pairs["ratio"].to_numpy() == pytest.approx(1.0) and not pairs["interacts"].any()
 
 
 def test_a_synergy_shows_as_interaction_and_as_the_pair_that_causes_it():
@@ -180,13 +180,13 @@ def test_a_synergy_shows_as_interaction_and_as_the_pair_that_causes_it():
         del EFFECTS["gqa"]
     for technique in ("batching", "gqa"):
         inter = pick(table, technique, "output_throughput_tok_s", "interaction")
-        assert inter["median"] == pytest.approx(1.5) and inter["interacts"]     # the full system amplifies it
+        assert inter["ratio"] == pytest.approx(1.5) and inter["interacts"]     # the full system amplifies it
     assert not pick(table, "paged", "output_throughput_tok_s", "interaction")["interacts"]
     pairs = table[(table["kind"] == "pair") & (table["metric"] == "output_throughput_tok_s")].set_index("technique")
     expected = {" x ".join(p) for p in itertools.combinations(cfg.names, 2)} - {"kv_cache x paged"}   # nested
     assert set(pairs.index) == expected
-    assert pairs.loc["batching x gqa", "median"] == pytest.approx(1.5) and pairs.loc["batching x gqa", "interacts"]
-    assert pairs.drop("batching x gqa")["median"].to_numpy() == pytest.approx(1.0)
+    assert pairs.loc["batching x gqa", "ratio"] == pytest.approx(1.5) and pairs.loc["batching x gqa", "interacts"]
+    assert pairs.drop("batching x gqa")["ratio"].to_numpy() == pytest.approx(1.0)
     assert not pairs.drop("batching x gqa")["interacts"].any()
 
 
@@ -196,20 +196,20 @@ def test_a_skipped_arm_leaves_its_contributions_empty_with_the_reason():
     arms.loc[arms["arm"] == "-paged", ["status", "reason"]] = ["skipped", "plugins refuse each other"]
     table = contributions(runs[runs["arm"] != "-paged"], arms, cfg)
     loo = pick(table, "paged", "output_throughput_tok_s", "leave_one_out")
-    assert np.isnan(loo["median"]) and loo["rounds"] == 0
+    assert np.isnan(loo["ratio"]) and loo["rounds"] == 0
     assert loo["note"] == "-paged skipped: plugins refuse each other"
-    assert pick(table, "paged", "output_throughput_tok_s", "add_one_in")["median"] == pytest.approx(1.25)
+    assert pick(table, "paged", "output_throughput_tok_s", "add_one_in")["ratio"] == pytest.approx(1.25)
 
 
-@pytest.mark.parametrize("median, low, high, expected", [
+@pytest.mark.parametrize("ratio, low, high, expected", [
     (1.5, 1.2, 1.8, True),          # CI excludes 1 by far
     (0.6, 0.5, 0.7, True),
     (1.5, 0.9, 2.0, False),         # the CI includes 1: could be noise
     (1.05, 1.02, 1.08, False),      # real but smaller than the 10% tolerance
     (float("nan"), 1.0, 1.0, False),
 ])
-def test_interaction_rule(median, low, high, expected):
-    assert interacts(median, low, high, tolerance=0.10) is expected
+def test_interaction_rule(ratio, low, high, expected):
+    assert interacts(ratio, low, high, tolerance=0.10) is expected
 
 
 # -- end to end ------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ablate.analysis.stats import bootstrap_ci, coefficient_of_variation, ratio_summary
 from ablate.experiment.job import NOT_MEASURED, run_job
 from ablate.measure.metrics import goodput, kv_utilisation, request_table, summarise
 from ablate.measure.recorder import Recorder, RequestRecord, StepRecord
@@ -246,30 +245,6 @@ def test_goodput_counts_requests_meeting_every_slo():
     assert goodput(table, 400, None, 2.0) == 0.5                     # only request 1's TTFT is <= 400 ms
     assert goodput(table, 600, 200, 1.0) == 1.0                      # request 0's TPOT 250 ms misses
     assert goodput(table, 600, 300, 1.0) == 2.0                      # a 1-token request has no TPOT to miss
-
-
-# -- statistics -------------------------------------------------------------------------------------------
-
-def test_bootstrap_ci_contains_the_median():
-    values = np.random.default_rng(3).lognormal(0.0, 0.3, 15)
-    lo, hi = bootstrap_ci(values)
-    assert lo < np.median(values) < hi
-    assert values.min() <= lo and hi <= values.max()
-    assert bootstrap_ci(values) == (lo, hi)                            # seeded: reproducible
-    wide = bootstrap_ci(values, confidence=0.99)
-    assert wide[0] <= lo and hi <= wide[1]
-
-
-def test_bootstrap_ci_degenerate_cases():
-    assert bootstrap_ci(np.full(5, 1.7)) == (1.7, 1.7)
-    assert bootstrap_ci(np.array([2.5])) == (2.5, 2.5)
-    assert bootstrap_ci(np.array([np.nan, 3.0, np.nan])) == (3.0, 3.0)
-    assert all(np.isnan(bootstrap_ci(np.array([]))))
-    summary = ratio_summary(np.array([1.2, 1.2, 1.2]))
-    assert summary == {"median": 1.2, "ci_low": 1.2, "ci_high": 1.2, "n": 3}
-    assert coefficient_of_variation(np.array([1.0, 1.0, 1.0])) == 0.0
-    assert coefficient_of_variation(np.array([9.0, 11.0])) == pytest.approx(np.sqrt(2) / 10)
-    assert np.isnan(coefficient_of_variation(np.array([4.0])))
 
 
 # -- failures ---------------------------------------------------------------------------------------------

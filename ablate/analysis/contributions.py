@@ -2,14 +2,14 @@
 plans them).
 
 Contributions, per metric m and round r (every arm runs once per round, interleaved, so arms of one
-round saw the same machine), as with / without ratios, their median and bootstrap 95% CI over rounds
-(ablate.analysis.stats.ratio_summary, as summarise_arms does for speedups):
+round saw the same machine), as with / without ratios, their geometric mean and t 95% CI over rounds
+(ablate.analysis.stats.log_interval, as summarise_arms does for speedups; no CI under 3 rounds):
 
   add-one-in of t      m(+t)_r / m(t's requirements)_r          (the baseline when it requires none)
   leave-one-out of t   m(full)_r / m(-t)_r
   interaction of t     leave-one-out / add-one-in of t's unit, per round: 1 when t's effect does not
-                       depend on the other techniques. t interacts when the CI excludes 1 and the
-                       median differs from 1 by more than `interaction_tolerance` (a relative change).
+                       depend on the other techniques. t interacts when the CI exists and excludes 1
+                       and the ratio differs from 1 by more than `interaction_tolerance` (relative).
   pair a x b           m(A|B)_r m(A&B)_r / (m(A)_r m(B)_r), A and B the closures of a and b: the
                        2x2 factorial interaction (1: independent, multiplicative effects); judged by
                        the same rule. Nested pairs (b requires a) have no such square and are not judged.
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ablate.analysis.stats import ratio_summary
+from ablate.analysis.stats import log_interval
 from ablate.experiment.ablation import AblationConfig, set_name
 
 # the metrics a contribution is reported for: column of runs.csv -> (label, higher is better)
@@ -53,24 +53,22 @@ def paired_ratios(runs: pd.DataFrame, numerator: str, denominator: str, metric: 
 
 
 def summarise_ratios(ratios: pd.Series) -> dict[str, float]:
-    values = ratios.to_numpy(float)
-    values = values[np.isfinite(values)]
-    if values.size == 0:
-        return {"median": np.nan, "ci_low": np.nan, "ci_high": np.nan, "rounds": 0}
-    summary = ratio_summary(values)
-    return {"median": summary["median"], "ci_low": summary["ci_low"], "ci_high": summary["ci_high"],
-            "rounds": summary["n"]}
+    """Geometric mean of the ratios ("ratio"), CI, rounds and why no CI."""
+    interval = log_interval(ratios.to_numpy(float))
+    return {"ratio": interval.center, "ci_low": interval.low, "ci_high": interval.high, "rounds": interval.n,
+            "ci_note": interval.note}
 
 
-def interacts(median: float, ci_low: float, ci_high: float, tolerance: float) -> bool:
-    """Not independent: the CI excludes 1 and the median departs from 1 by more than `tolerance`."""
-    if not np.isfinite([median, ci_low, ci_high]).all():
+def interacts(ratio: float, ci_low: float, ci_high: float, tolerance: float) -> bool:
+    """Not independent: the CI exists and excludes 1, and the ratio departs from 1 by more than
+    `tolerance`. No CI (too few rounds) never supports the claim."""
+    if not np.isfinite([ratio, ci_low, ci_high]).all():
         return False
-    return bool((ci_low > 1 or ci_high < 1) and abs(np.log(median)) > np.log1p(tolerance))
+    return bool((ci_low > 1 or ci_high < 1) and abs(np.log(ratio)) > np.log1p(tolerance))
 
 
 def contributions(runs: pd.DataFrame, arms: pd.DataFrame, cfg: AblationConfig) -> pd.DataFrame:
-    """One row per (technique or pair) x metric x kind: with / without ratio, median [95% CI], rounds,
+    """One row per (technique or pair) x metric x kind: with / without ratio (geometric mean over rounds) [95% CI], rounds,
     whether it interacts, and a note (what leaving out also removes, skipped arms and why).
 
     `arms` is the arm table (arm_table): which set of techniques each arm is, and why one was skipped.
@@ -95,7 +93,7 @@ def contributions(runs: pd.DataFrame, arms: pd.DataFrame, cfg: AblationConfig) -
         rows.append({"technique": technique, "metric": metric, "kind": kind,
                      "with_arm": _arm_name(by_set, cfg, with_set), "without_arm": _arm_name(by_set, cfg, without_set),
                      **summary,
-                     "interacts": judged and interacts(summary["median"], summary["ci_low"], summary["ci_high"],
+                     "interacts": judged and interacts(summary["ratio"], summary["ci_low"], summary["ci_high"],
                                                        cfg.interaction_tolerance),
                      "note": "; ".join(notes)})
 

@@ -1,5 +1,6 @@
 """One row per grid point and arm: medians over the repeats, speedup vs the baseline per round with
-its CI, the analytic prediction, and whether the arm's figures can be trusted at all (status)."""
+its CI (geometric mean and t-interval of the per-round ratios, ablate.analysis.stats), the analytic
+prediction, and whether the arm's figures can be trusted at all (status)."""
 from __future__ import annotations
 
 import warnings
@@ -7,7 +8,7 @@ import warnings
 import numpy as np
 import pandas as pd
 
-from ablate.analysis.stats import NOISY_CV, coefficient_of_variation, ratio_summary
+from ablate.analysis.stats import NOISY_CV, Interval, coefficient_of_variation, log_interval
 from ablate.api.plugin import Stat
 
 # measured columns summarised by their median over the repeats
@@ -45,11 +46,11 @@ def summarise_arms(runs: pd.DataFrame, point_keys: list[str], baseline: str,
             ok = arm_frame[arm_frame["status"] == "ok"]
             if status == "ok" and not base.empty:
                 ratios = (base["duration_s"].reindex(ok.index) / ok["duration_s"]).to_numpy(float)
-                speedup = ratio_summary(ratios)
+                speedup = log_interval(ratios)
             else:
-                speedup = {"median": np.nan, "ci_low": np.nan, "ci_high": np.nan}
-            row |= {"speedup": speedup["median"], "speedup_ci_low": speedup["ci_low"],
-                    "speedup_ci_high": speedup["ci_high"]}
+                speedup = Interval(np.nan, np.nan, np.nan, 0, f"arm {status}")
+            row |= {"speedup": speedup.center, "speedup_ci_low": speedup.low, "speedup_ci_high": speedup.high,
+                    "speedup_rounds": speedup.n, "speedup_note": speedup.note}
             if status == "ok" and "predicted_step_time_s_total" in ok and not base.empty:
                 row["predicted_speedup"] = float(base["predicted_step_time_s_total"].median()
                                                  / ok["predicted_step_time_s_total"].median())

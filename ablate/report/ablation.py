@@ -63,9 +63,11 @@ def section(run_dir: Path, runs: pd.DataFrame | None) -> tuple[str, dict[str, Pa
 
 
 def ratio_text(row: pd.Series | None) -> str:
-    if row is None or pd.isna(row["median"]):
+    if row is None or pd.isna(row["ratio"]):
         return "-"
-    return f"{row['median']:.2f}x [{row['ci_low']:.2f}, {row['ci_high']:.2f}]"
+    if pd.isna(row["ci_low"]):
+        return f"{row['ratio']:.2f}x [no CI: {row['rounds']} rounds]"
+    return f"{row['ratio']:.2f}x [{row['ci_low']:.2f}, {row['ci_high']:.2f}]"
 
 
 def _row(table: pd.DataFrame, technique: str, metric: str, kind: str) -> pd.Series | None:
@@ -110,7 +112,7 @@ def markdown(table: pd.DataFrame, arms: pd.DataFrame, cfg: AblationConfig, runs:
         needs = f" (requires {', '.join(t.requires)})" if t.requires else ""
         lines.append(f"- **{t.name}**: `{json.dumps(t.overrides, sort_keys=True)}`{needs}")
     lines += ["", "Contributions are *with / without* ratios per round (every arm runs once per round, "
-              "interleaved), median [bootstrap 95% CI] over rounds. **add-one-in** = arm `+t` (t and what it "
+              "interleaved), geometric mean [t 95% CI] over rounds (no CI under 3 rounds). **add-one-in** = arm `+t` (t and what it "
               "requires, over the baseline) / the arm of what t requires (the baseline when nothing); "
               "**leave-one-out** = `full` / `-t` (the full system without t and without every technique that "
               "requires t). Throughput: above 1 is better; TTFT, TPOT and KV bytes: below 1 is better. "
@@ -129,7 +131,7 @@ def markdown(table: pd.DataFrame, arms: pd.DataFrame, cfg: AblationConfig, runs:
               "Per technique: leave-one-out / add-one-in of the same change, per round (for a technique that "
               "others require, adding and removing it together with them). It is 1 when the technique's effect "
               "does not depend on the other techniques. **Rule**: a technique *interacts* when the 95% CI "
-              f"excludes 1 and the median departs from 1 by more than {tolerance} "
+              f"exists and excludes 1, and the ratio departs from 1 by more than {tolerance} "
               "(experiment.ablation.interaction_tolerance); above 1: the rest of the system amplifies its "
               "effect, below 1: it damps it (for latency and bytes, where lower is better, read it the "
               "other way round).", "", interaction_table(table, "interaction").to_markdown(index=False), ""]
@@ -175,14 +177,14 @@ def _attention_backends(runs: pd.DataFrame) -> str:
 
 def plot_contributions(table: pd.DataFrame, cfg: AblationConfig, path: Path) -> Path:
     """One panel per metric: each technique's add-one-in and leave-one-out ratio as a bar from 1 (no
-    effect) to the median, CI error bars, log y (a halving and a doubling look alike)."""
+    effect) to the geometric mean, CI error bars, log y (a halving and a doubling look alike)."""
     fig, axes = plt.subplots(2, 2, figsize=(11, 8), squeeze=False)
     x = np.arange(len(cfg.names))
     width = 0.38
     for ax, (metric, (label, higher_better)) in zip(axes.flat, METRICS.items()):
         for i, (kind, kind_label) in enumerate(KIND_LABELS.items()):
             rows = [_row(table, t, metric, kind) for t in cfg.names]
-            y = np.array([r["median"] if r is not None else np.nan for r in rows], dtype=float)
+            y = np.array([r["ratio"] if r is not None else np.nan for r in rows], dtype=float)
             lo = np.array([r["ci_low"] if r is not None else np.nan for r in rows], dtype=float)
             hi = np.array([r["ci_high"] if r is not None else np.nan for r in rows], dtype=float)
             ok = np.isfinite(y) & (y > 0)     # a ratio over zero KV (recompute) has no bar
@@ -198,7 +200,7 @@ def plot_contributions(table: pd.DataFrame, cfg: AblationConfig, path: Path) -> 
         ax.set_ylabel("with / without")
         ax.grid(alpha=0.3, axis="y", which="both")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle("What each technique contributes (median, bootstrap 95% CI)")
+    fig.suptitle("What each technique contributes (geometric mean over rounds, t 95% CI)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -207,13 +209,13 @@ def plot_contributions(table: pd.DataFrame, cfg: AblationConfig, path: Path) -> 
 
 
 def wandb_extras(run_dir: Path) -> tuple[dict[str, float], dict[str, pd.DataFrame]]:
-    """W&B summary keys (ablation/<kind>/<technique>/<metric>: median) and tables, from the run folder;
+    """W&B summary keys (ablation/<kind>/<technique>/<metric>: ratio) and tables, from the run folder;
     nothing for a run that is not an ablation."""
     contributions_csv = run_dir / f"{CONTRIBUTIONS_TABLE}.csv"
     if not contributions_csv.exists():
         return {}, {}
     table = pd.read_csv(contributions_csv)
-    summary = {f"ablation/{r.kind}/{r.technique}/{r.metric}": float(r.median)
-               for r in table.itertuples() if pd.notna(r.median)}
+    summary = {f"ablation/{r.kind}/{r.technique}/{r.metric}": float(r.ratio)
+               for r in table.itertuples() if pd.notna(r.ratio)}
     tables = {CONTRIBUTIONS_TABLE: table, ARMS_TABLE: pd.read_csv(run_dir / f"{ARMS_TABLE}.csv", keep_default_na=False)}
     return summary, tables

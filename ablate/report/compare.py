@@ -1,10 +1,11 @@
 """`python -m ablate compare <run> <run>`: two runs side by side, what differs between them, and
 whether each difference is beyond noise.
 
-For each grid point x arm present in both runs and each metric: the median over repeats of each,
-the ratio B / A of the medians and its percentile-bootstrap 95% CI, resampling each run's repeats
-independently. A difference is beyond noise when that CI excludes 1; with fewer than 2 repeats on
-a side the spread is unknown and nothing is claimed. Speedup is compared on its per-round ratios
+For each grid point x arm present in both runs and each metric: the geometric mean over repeats of
+each, the ratio B / A and its 95% CI by Welch's t on the logs (ablate.analysis.stats.
+log_ratio_interval: the two runs' repeats are independent samples). A difference is beyond noise
+when that CI excludes 1; with fewer than 3 repeats on a side there is no interval and nothing is
+claimed ("n/a"). Speedup is compared on its per-round ratios
 (baseline time / arm time within one round), so a machine that got slower for both arms alike does
 not show up as a change of speedup.
 """
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ablate.analysis.stats import Interval, log_ratio_interval
 from ablate.report.declared import Declarations
 from ablate.results import Results, load
 
@@ -23,33 +25,13 @@ METRICS = ("speedup", "duration_s", "output_throughput_tok_s", "ttft_p50_ms", "t
            "tpot_p99_ms", "peak_memory_bytes", "kv_reserved_peak_bytes")
 NOT_COMPARED = ("results_dir", "wandb", "redo")      # config keys that say where, not what, was measured
 ENVIRONMENT = ("device", "device_name", "git_commit", "python", "platform", "versions")
-MIN_REPEATS = 2
 
 
-def ratio_ci(a: np.ndarray, b: np.ndarray, resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """median(b) / median(a) and its percentile-bootstrap 95% CI."""
-    a, b = a[~np.isnan(a)], b[~np.isnan(b)]
-    if not a.size or not b.size:
-        return (np.nan, np.nan, np.nan)
-    if not a.any() and not b.any():     # zero on both sides (e.g. no KV cache): the same
-        return (1.0, 1.0, 1.0)
-    if np.median(a) == 0:
-        return (np.nan, np.nan, np.nan)
-    rng = np.random.default_rng(seed)
-    ra = np.median(rng.choice(a, (resamples, a.size)), axis=1)
-    rb = np.median(rng.choice(b, (resamples, b.size)), axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = rb / ra
-    low, high = np.nanquantile(ratios, [0.025, 0.975])
-    return float(np.median(b) / np.median(a)), float(low), float(high)
-
-
-def verdict(low: float, high: float, num_a: int, num_b: int) -> str:
-    if min(num_a, num_b) < MIN_REPEATS:
-        return f"n/a (< {MIN_REPEATS} repeats)"
-    if np.isnan(low):
-        return "n/a"
-    return "beyond noise" if low > 1 or high < 1 else "within noise"
+def verdict(interval: Interval) -> str:
+    """Beyond noise only where an interval exists and excludes 1."""
+    if not interval.is_supported:
+        return f"n/a ({interval.note})" if interval.note else "n/a"
+    return "beyond noise" if interval.excludes(1.0) else "within noise"
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -93,7 +75,7 @@ def with_round_speedups(res: Results, point_keys: list[str]) -> pd.DataFrame:
 
 
 def compare(path_a: str, path_b: str) -> pd.DataFrame:
-    """One row per grid point x arm x metric: A and B medians, B / A with its CI, and the verdict."""
+    """One row per grid point x arm x metric: A and B geometric means, B / A with its CI, the verdict."""
     a, b = load(path_a), load(path_b)
     grids = [list((r.config.get("experiment") or {}).get("grid") or {}) for r in (a, b)]
     point_keys = list(dict.fromkeys(grids[0] + grids[1]))
@@ -114,12 +96,19 @@ def compare(path_a: str, path_b: str) -> pd.DataFrame:
             values_a, values_b = frame_a[metric].to_numpy(float), frame_b[metric].to_numpy(float)
             if metric == "speedup" and (values_a == 1).all() and (values_b == 1).all():
                 continue     # the baseline against itself
-            ratio, low, high = ratio_ci(values_a, values_b)
+            interval = log_ratio_interval(values_a, values_b)
             num_a, num_b = int(np.sum(~np.isnan(values_a))), int(np.sum(~np.isnan(values_b)))
-            rows.append({**dict(zip(keys, key)), "metric": metric, "A": float(np.nanmedian(values_a)),
-                         "B": float(np.nanmedian(values_b)), "B/A": ratio, "ci_low": low, "ci_high": high,
-                         "repeats": f"{num_a}/{num_b}", "verdict": verdict(low, high, num_a, num_b)})
+            rows.append({**dict(zip(keys, key)), "metric": metric, "A": _geometric_mean(values_a),
+                         "B": _geometric_mean(values_b), "B/A": interval.center, "ci_low": interval.low,
+                         "ci_high": interval.high, "repeats": f"{num_a}/{num_b}", "verdict": verdict(interval)})
     return pd.DataFrame(rows)
+
+
+def _geometric_mean(values: np.ndarray) -> float:
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return np.nan
+    return float(np.exp(np.log(values).mean())) if (values > 0).all() else float(np.median(values))
 
 
 def header(path_a: str, path_b: str) -> list[str]:
@@ -155,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(header(args.run_a, args.run_b)) + "\n")
     print(format_table(table))
     beyond = table[table["verdict"] == "beyond noise"]
-    print(f"\n{len(beyond)} of {len(table)} differences beyond noise (bootstrap 95% CI of B / A excludes 1)")
+    print(f"\n{len(beyond)} of {len(table)} differences beyond noise (Welch t 95% CI of B / A excludes 1)")
     where = list(table.columns[:table.columns.get_loc("metric") + 1])     # grid point, arm, metric
     for _, row in beyond.iterrows():
         print(f"  {' '.join(str(row[k]) for k in where)}: B/A {row['B/A']:.3f} [{row['ci_low']:.3f}, "

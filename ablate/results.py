@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 from typing import Any
 
@@ -33,31 +33,55 @@ def config_hash(config: dict[str, Any]) -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
+    """Write to a temporary file beside `path`, then rename: readers never see half a file.
+
+    The file gets the mode an ordinary write would (0666 less the umask, e.g. 0644), not mkstemp's
+    0600: results are for other people to read."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            umask = os.umask(0o022)     # reading the umask means setting it: put it straight back
+            os.umask(umask)
+            os.fchmod(f.fileno(), 0o666 & ~umask)
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def code_version() -> str:
+    """What code measured: the git commit, + a hash of the uncommitted diff when the tree is dirty;
+    outside a git checkout, the installed versions of ablate and of every plugin distribution."""
+    commit = _git("rev-parse", "HEAD")
+    if commit:
+        diff = _git("diff", "HEAD")
+        return commit[:12] + (f"+dirty.{hashlib.sha256(diff.encode()).hexdigest()[:8]}" if diff else "")
+    dists = {ep.dist.name: ep.dist.version for ep in entry_points(group="ablate.plugins") if ep.dist is not None}
+    return ",".join(f"{name}=={v}" for name, v in sorted(({"ablate": _version("ablate")} | dists).items()))
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def environment(device_info: dict[str, Any]) -> dict[str, Any]:
-    versions = {}
-    for pkg in ("ablate", "torch", "triton", "hydra-core", "omegaconf", "wandb", "pandas", "numpy"):
-        try:
-            versions[pkg] = version(pkg)
-        except PackageNotFoundError:
-            versions[pkg] = None
+    versions = {pkg: _version(pkg) for pkg in ("ablate", "torch", "triton", "hydra-core", "omegaconf", "wandb",
+                                                 "pandas", "numpy", "scipy")}
     return {"python": platform.python_version(), "platform": platform.platform(), "versions": versions,
-            "git_commit": _git_commit(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            **device_info}
+            "git_commit": _git("rev-parse", "HEAD"), "code_version": code_version(),
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **device_info}
 
 
-def _git_commit() -> str | None:
+def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).parent)
-        return out.stdout.strip() or None
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent)
+        return out.stdout.strip() or None if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -74,11 +98,37 @@ class RunFolder:
     def is_done(self) -> bool:
         return (self.path / DONE).exists()
 
+    @property
+    def code_version(self) -> str | None:
+        """The code_version an earlier attempt recorded in environment.json (None: no readable record)."""
+        try:
+            return json.loads((self.path / "environment.json").read_text()).get("code_version")
+        except (OSError, ValueError):
+            return None
+
+    def measured_rounds(self) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """(runs, requests) an earlier, unfinished attempt persisted round by round; empty when none."""
+        frames = []
+        for name in ("runs", "requests"):
+            file = self.path / f"{name}.csv"
+            try:
+                frames.append(pd.read_csv(file) if file.exists() and file.stat().st_size > 1 else pd.DataFrame())
+            except (OSError, ValueError, pd.errors.ParserError):
+                frames.append(pd.DataFrame())
+        return frames[0], frames[1]
+
+    def set_aside(self, why: str) -> Path:
+        """Move this folder to <id>.old-<time> (nothing measured is deleted); returns where."""
+        aside = self.path.with_name(f"{self.path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(self.path, aside)
+        print(f"{why}: the earlier results moved to {aside}")
+        return aside
+
     def start(self, config: dict[str, Any], env: dict[str, Any], redo: bool = False) -> None:
         if self.path.exists() and redo:
-            aside = self.path.with_name(f"{self.path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-            shutil.move(self.path, aside)
+            self.set_aside("redo=true")
         self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "failed.json").unlink(missing_ok=True)    # an earlier attempt's failure, tried again
         write_atomic(self.path / "config.json", json.dumps(config, indent=2, sort_keys=True, default=str))
         write_atomic(self.path / "environment.json", json.dumps(env, indent=2, default=str))
 

@@ -12,9 +12,10 @@ import pytest
 from ablate.experiment.job import NOT_MEASURED, run_job
 from ablate.measure.metrics import goodput, kv_utilisation, request_table, summarise
 from ablate.measure.recorder import Recorder, RequestRecord, StepRecord
+from ablate.analysis.stats import log_interval
 from ablate.results import config_hash, load, runs_under
 
-SMALL = ["experiment.repeats=2", "experiment.warmup=0", "workload.num_requests=2", "workload.prompt_len=8",
+SMALL = ["experiment.repeats=3", "experiment.warmup=0", "workload.num_requests=2", "workload.prompt_len=8",
          "workload.output_len=4"]
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4          # tiny, fp32
 
@@ -30,7 +31,7 @@ SUMMARY_COLUMNS = {"arm", "label", "speedup", "speedup_ci_low", "speedup_ci_high
 
 @pytest.fixture(scope="module")
 def offline_job(compose_config, registry, tmp_path_factory):
-    """Baseline vs kv_cache=contiguous, 2 repeats, logged to W&B offline under a temporary folder."""
+    """Baseline vs kv_cache=contiguous, 3 repeats, logged to W&B offline under a temporary folder."""
     tmp = tmp_path_factory.mktemp("job")
     raw = compose_config(tmp, "kv_cache=contiguous", "wandb.mode=offline", *SMALL)
     folder = run_job(raw, registry)
@@ -58,8 +59,8 @@ def test_results_load_returns_the_documented_tables(offline_job):
     assert SUMMARY_COLUMNS <= set(res.summary.columns)
 
     runs = res.runs
-    assert sorted(zip(runs["arm"], runs["repeat"])) == [("baseline", 0), ("baseline", 1),
-                                                         ("kv_cache=contiguous", 0), ("kv_cache=contiguous", 1)]
+    assert sorted(zip(runs["arm"], runs["repeat"])) == [(arm, r) for arm in ("baseline", "kv_cache=contiguous")
+                                                        for r in range(3)]
     assert (runs["output_tokens"] == 8).all() and (runs["duration_s"] > 0).all()
     np.testing.assert_allclose(runs["output_throughput_tok_s"], 8 / runs["duration_s"])
     reserved = runs.groupby("arm")["kv_reserved_peak_bytes"].unique()
@@ -69,7 +70,7 @@ def test_results_load_returns_the_documented_tables(offline_job):
     assert (runs["steps"] == 4).all()
 
     req = res.requests
-    assert len(req) == 8 and (req["output_tokens"] == 4).all() and (req["prompt_tokens"] == 8).all()
+    assert len(req) == 12 and (req["output_tokens"] == 4).all() and (req["prompt_tokens"] == 8).all()
     assert (req["ttft_s"] > 0).all() and (req["e2e_s"] > req["ttft_s"]).all()
     np.testing.assert_allclose(req["tpot_s"], (req["e2e_s"] - req["ttft_s"]) / 3)
     # each run's percentiles are its requests' (two requests: p50 is their mean)
@@ -85,9 +86,10 @@ def test_results_load_returns_the_documented_tables(offline_job):
     arm = summary.loc["kv_cache=contiguous"]
     durations = runs.pivot(index="repeat", columns="arm", values="duration_s")
     ratios = durations["baseline"] / durations["kv_cache=contiguous"]
-    assert arm["speedup"] == pytest.approx(ratios.median())
-    low, high = ratios.min() - 1e-12, ratios.max() + 1e-12
-    assert low <= arm["speedup_ci_low"] <= arm["speedup"] <= arm["speedup_ci_high"] <= high
+    assert arm["speedup"] == pytest.approx(np.exp(np.log(ratios).mean()))     # geometric mean over rounds
+    interval = log_interval(ratios.to_numpy())                                 # t on the log ratios
+    assert (arm["speedup_ci_low"], arm["speedup_ci_high"]) == pytest.approx((interval.low, interval.high))
+    assert arm["speedup_ci_low"] <= arm["speedup"] <= arm["speedup_ci_high"] and arm["speedup_rounds"] == 3
     predicted = runs.groupby("arm")["predicted_step_time_s_total"].median()
     assert arm["predicted_speedup"] == pytest.approx(predicted["baseline"] / predicted["kv_cache=contiguous"])
     assert arm["memory_ratio"] > 1                     # the cache costs memory the recompute does not hold
@@ -115,7 +117,7 @@ def test_same_config_is_skipped_unless_redo(compose_config, registry, tmp_path, 
 
     redone = run_job({**raw, "redo": True}, registry)
     out = capsys.readouterr().out
-    assert "already finished" not in out and "[1/1]" in out
+    assert "already finished" not in out and "round 1" in out
     assert redone.path == first.path and (redone.path / "done.json").exists()
     moved = [p for p in first.path.parent.iterdir() if p.name.startswith(first.path.name + ".old-")]
     assert len(moved) == 1 and (moved[0] / "done.json").read_text() == done       # the old run kept aside

@@ -19,6 +19,7 @@ from ablate.api.plugin import PluginConfig, Slot
 from ablate.engine.arm import ArmSpec
 from ablate.engine.registry import Registry
 from ablate.experiment.ablation import AblationConfig, parse_ablation
+from ablate.experiment.quality_guard import QualityConfig
 from ablate.model.config import ModelConfig
 from ablate.report.wandb_log import WandbConfig
 from ablate.workload.requests import WorkloadConfig
@@ -31,7 +32,10 @@ class ExperimentConfig:
     # name -> {slot: plugin | {name, options}, model: {field: value}}; ArmSpec once built
     arms: dict[str, ArmSpec] = field(default_factory=dict)
     baseline: str = ""                    # the arm speedups are relative to; "" -> the first
-    repeats: int = 3
+    repeats: int = 5                      # rounds (every arm once each); a CI needs >= 3 (ablate/analysis/stats.py)
+    max_repeats: int = 0                  # > repeats: more rounds until every speedup CI is within ci_target
+    ci_target: float = 0.05               # relative half-width of the speedup CI that ends the extra rounds
+    time_budget_s: float = 0.0            # > 0: no extra round starts once the job has run this long
     warmup: int = 1                       # warm-up runs per arm, a few tokens each (excluded)
     grid: dict[str, list] = field(default_factory=dict)  # workload field -> values, one point each
     recorder: bool = True                 # False: time the runs with no hooks at all
@@ -44,8 +48,12 @@ class ExperimentConfig:
                                           # (ablate/analysis/costs.py; no model is loaded, arms and grid are unused)
     # techniques -> arms instead of `arms` (ablate/experiment/ablation.py): full, baseline, leave-one-out, add-one-in
     ablation: AblationConfig | None = None
+    # the quality guardrail: token agreement and perplexity ratio against the baseline, per arm
+    quality: QualityConfig = field(default_factory=QualityConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.quality, dict):
+            self.quality = build(QualityConfig, self.quality, "experiment.quality")
         self.arms = {name: spec if isinstance(spec, ArmSpec) else ArmSpec.parse(f"experiment.arms.{name}", spec)
                      for name, spec in (self.arms or {}).items()}
         if isinstance(self.ablation, dict):
@@ -54,6 +62,13 @@ class ExperimentConfig:
             raise ValueError(f"experiment.kind must be 'engine' or 'costs', got {self.kind!r}")
         if self.repeats < 1:
             raise ValueError(f"experiment.repeats must be >= 1, got {self.repeats}")
+        if self.max_repeats and self.max_repeats < self.repeats:
+            raise ValueError(f"experiment.max_repeats={self.max_repeats} is below experiment.repeats={self.repeats}: "
+                             "set it above repeats for extra rounds, or to 0 for exactly `repeats` rounds")
+        if not (math.isfinite(self.ci_target) and self.ci_target > 0):
+            raise ValueError(f"experiment.ci_target must be a positive fraction (0.05: +-5%), got {self.ci_target}")
+        if not (math.isfinite(self.time_budget_s) and self.time_budget_s >= 0):
+            raise ValueError(f"experiment.time_budget_s must be >= 0 seconds (0: no budget), got {self.time_budget_s}")
         if self.warmup < 0:
             raise ValueError(f"experiment.warmup must be >= 0, got {self.warmup}")
         for slo in ("ttft_slo_ms", "tpot_slo_ms"):

@@ -1,57 +1,55 @@
 """An experiment: the same workload through several arms, interleaved, in one process.
 
-For each grid point, warm-up runs first (excluded), then `repeats` rounds; in each round every arm
-runs once, the order alternating (A B, B A, ...) so that slow drift of a shared machine falls on
-every arm alike. A speedup is baseline time / arm time within one round; its median and CI are
-reported beside the analytic model's prediction.
+For each grid point, warm-up runs first (excluded), then rounds; in each round every arm runs once,
+the order alternating (A B, B A, ...) so that slow drift of a shared machine falls on every arm
+alike. A speedup is baseline time / arm time within one round; its geometric mean and t-interval
+over rounds (ablate.analysis.stats) are reported beside the analytic model's prediction.
+
+Rounds: `repeats` of them; with `max_repeats` above that, more until every arm's speedup interval
+is narrower than `ci_target` (relative half-width), `max_repeats` is reached or `time_budget_s`
+is spent, as pyperf and hyperfine repeat until the figure settles. Each finished round is handed to
+`on_round` (the job persists it), and rounds already measured (`done`) are not measured again.
 
 An arm is only compared when its measurement means what it claims: an arm whose plugin breaks the
 engine's contract (a PluginError: a lost request, a stalled scheduler, room never released) is
 recorded as failed, with the reason, and is not run again; an arm that declares itself exact
 (every plugin that differs from the baseline's is exact) but whose greedy tokens differ from the
-baseline's of the same round beyond rounding (ablate.measure.exactness) is recorded as diverged.
-Neither gets a speedup.
+baseline's of the same round beyond rounding (ablate.measure.exactness) is recorded as diverged;
+an arm whose text moved away from the baseline's (ablate.experiment.quality_guard) is degraded.
+None of them gets a speedup.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import pandas as pd
+import torch
 from tqdm import tqdm
 
-from ablate.analysis.analytic import CostModel
+from ablate.analysis.stats import log_interval
 from ablate.api.context import EngineConfig
-from ablate.api.plugin import PluginError, Slot
-from ablate.api.sequence import Request, Sequence
-from ablate.engine.arm import Arm, build_arm
+from ablate.api.plugin import PluginError
+from ablate.api.sequence import Sequence
+from ablate.engine.arm import Arm
 from ablate.engine.registry import Registry
+from ablate.experiment import quality_guard as quality
+from ablate.experiment.arm_run import ArmRun, arm_perplexity, expects_baseline_tokens, run_once
 from ablate.experiment.config import ExperimentConfig
 from ablate.experiment.summary import summarise_arms
-from ablate.measure import device as dev
 from ablate.measure.exactness import compare_greedy
 from ablate.measure.hardware import Peaks
-from ablate.measure.memory import TensorMemoryTracker
-from ablate.measure.metrics import goodput, request_table, roofline, summarise
-from ablate.measure.recorder import Recorder
+from ablate.measure.metrics import goodput
 from ablate.model.llama import LlamaModel
 from ablate.report.declared import Declarations
 from ablate.workload.requests import WorkloadConfig, make_requests
 
 WARMUP_TOKENS = 8
-
-
-@dataclass
-class ArmRun:
-    """The figures of one arm on one grid point in one round."""
-
-    row: dict[str, Any]
-    requests: pd.DataFrame
-    sequences: list[Sequence]
 
 
 @dataclass
@@ -72,78 +70,23 @@ def grid_points(exp: ExperimentConfig, workload: WorkloadConfig) -> list[tuple[d
     return points
 
 
-def expects_baseline_tokens(arm: Arm, baseline: Arm, registry: Registry) -> bool:
-    """Every plugin the arm changes is declared exact, on the same model: its greedy tokens must be
-    the baseline's."""
-    if arm.name == baseline.name or arm.model_overrides != baseline.model_overrides:
-        return False
-    return all(registry.get(slot, config.name).exact for slot, config in arm.plugins.items()
-               if config != baseline.plugins[slot])
-
-
-def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: EngineConfig,
-             registry: Registry, peaks: Peaks | None, record: bool, track_memory: bool = False) -> ArmRun:
-    """Build the arm's engine afresh and serve the requests once. A plugin that breaks the contract
-    raises PluginError (the engine's checks)."""
-    max_seq_len = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
-    max_seq_len = engine_cfg.max_seq_len or max_seq_len
-    if max_seq_len > model.config.max_seq_len:
-        raise ValueError(f"the workload needs {max_seq_len} tokens per sequence but model.max_seq_len is "
-                         f"{model.config.max_seq_len}; raise model.max_seq_len or shorten the workload")
-    recorders: list[Recorder] = []
-
-    def hooks(kv_cache):
-        if not record:
-            return ()
-        recorders.append(Recorder(kv_cache))
-        return recorders
-
-    built = build_arm(arm, model, engine_cfg, max_seq_len, registry, hooks)
-    try:
-        arm_model = built.engine.runner.model        # after the arm's variant (GQA, MLA...): what actually runs
-        for rec in recorders:
-            rec.cost_model = CostModel(arm_model.config, built.kv_cache.keeps_kv, built.kv_cache.bytes_per_token)
-        device = built.engine.device
-        tracker = TensorMemoryTracker() if track_memory and device.type != "cuda" else contextlib.nullcontext()
-        kv_reserved_before = built.kv_cache.bytes_reserved()
-        gc.collect()
-        dev.reset_peak_memory(device)
-        start = dev.now(device)
-        with tracker:
-            seqs = built.engine.run(requests)
-        wall = dev.now(device) - start
-        row: dict[str, Any] = {"wall_s": wall}
-        if record:
-            rec = recorders[0]
-            row |= summarise(rec)
-            if peaks is not None:
-                row |= roofline(rec, peaks)
-            requests_df = request_table(rec)
-        else:
-            row |= {"duration_s": wall, "output_tokens": sum(s.num_output_tokens for s in seqs)}
-            row["output_throughput_tok_s"] = row["output_tokens"] / wall
-            requests_df = pd.DataFrame()
-        row["kv_bytes_per_token"] = built.kv_cache.bytes_per_token
-        row["weight_bytes"] = arm_model.weight_bytes()
-        cuda_peak = dev.peak_memory_bytes(device)
-        # peak memory: the CUDA allocator's peak; on the CPU the tensors we track (weights + KV) and RSS
-        row["peak_memory_bytes"] = cuda_peak if cuda_peak is not None else row["weight_bytes"] + row.get(
-            "kv_reserved_peak_bytes", 0)
-        if isinstance(tracker, TensorMemoryTracker):
-            # weights and KV held before the run, plus everything the run allocated that was live at once
-            row["tracked_peak_bytes"] = tracker.peak_bytes
-            row["peak_memory_bytes"] = row["weight_bytes"] + kv_reserved_before + tracker.peak_bytes
-        row["rss_bytes"] = dev.process_rss_bytes()
-        row["attention_backend"] = built.plugins[Slot.ATTENTION].backend
-        row |= built.stats()
-    finally:
-        built.close()
-    return ArmRun(row | {"status": "ok", "status_detail": ""}, requests_df, seqs)
+def finished_rounds(done: pd.DataFrame, point: dict[str, Any], arms: list[Arm]) -> pd.DataFrame:
+    """The rows of `done` at this grid point whose round has every arm (a round cut short is run again)."""
+    if done.empty:
+        return done
+    mask = np.logical_and.reduce([done[k] == v for k, v in point.items()]) if point else np.ones(len(done), bool)
+    rows = done[mask]
+    complete = rows.groupby("repeat")["arm"].agg(lambda a: set(a) >= {arm.name for arm in arms})
+    return rows[rows["repeat"].isin(complete[complete].index)]
 
 
 def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callable[[dict], LlamaModel],
                    workload: WorkloadConfig, engine_cfg: EngineConfig, registry: Registry,
-                   peaks: Peaks | None, progress: Callable[[str], None] = tqdm.write) -> ExperimentResult:
+                   peaks: Peaks | None, progress: Callable[[str], None] = tqdm.write,
+                   done: tuple[pd.DataFrame, pd.DataFrame] | None = None,
+                   on_round: Callable[[pd.DataFrame, pd.DataFrame], None] | None = None) -> ExperimentResult:
+    """Measure every grid point; `done` = (runs, requests) already measured, `on_round(runs, requests)`
+    is called with everything measured so far after each round."""
     if len({a.name for a in arms}) != len(arms):
         raise ValueError("experiment arms need distinct names")
     baseline_name = exp.baseline or arms[0].name
@@ -169,46 +112,66 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
             tokenizers[key] = load_tokenizer(model.config)
         return tokenizers[key]
 
+    done_runs, done_requests = done if done is not None else (pd.DataFrame(), pd.DataFrame())
     checked = {a.name for a in arms if expects_baseline_tokens(a, baseline, registry)}
     failed: dict[str, str] = {}         # arm -> why, once a plugin broke the contract
-    rows, request_frames, samples = [], [], {}
+    if not done_runs.empty and "status" in done_runs:
+        failed |= {r.arm: r.status_detail for r in done_runs[done_runs["status"] == "failed"].itertuples()}
+    rows: list[dict[str, Any]] = []
+    request_frames: list[pd.DataFrame] = []
+    samples: dict[str, list[int]] = {}
     points = grid_points(exp, workload)
-    total = len(points) * len(arms) * (exp.repeats + exp.warmup)
-    done = 0
-    bar = tqdm(total=total, unit="run", desc=exp.name, leave=False, disable=None)   # None: only on a terminal
+    max_rounds = max(exp.repeats, exp.max_repeats)
+    bar = tqdm(total=len(points) * len(arms) * (exp.repeats + exp.warmup), unit="run", desc=exp.name,
+               leave=False, disable=None)   # None: only on a terminal
+    started = time.perf_counter()
+
+    def measure(arm: Arm, wl: WorkloadConfig, where: str, warmup: bool) -> ArmRun:
+        bar.update()
+        model = model_for(arm)
+        requests = make_requests(wl, model.config.vocab_size, tokenizer_for(model, wl))
+        if warmup:   # the same prompts, a few tokens each, is enough to warm up
+            requests = [replace(r, max_new_tokens=min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests]
+        if arm.name in failed:
+            return ArmRun({"status": "failed", "status_detail": failed[arm.name]}, pd.DataFrame(), [])
+        try:
+            run = run_once(arm, model, requests, engine_cfg, registry, peaks, exp.recorder, exp.track_memory)
+        except PluginError as err:
+            failed[arm.name] = f"{err}"
+            progress(f"{where}: FAILED, not measured again: {err}")
+            return ArmRun({"status": "failed", "status_detail": failed[arm.name]}, pd.DataFrame(), [])
+        has_slo = exp.ttft_slo_ms is not None or exp.tpot_slo_ms is not None
+        if has_slo and not run.requests.empty:   # requests per second meeting every SLO set
+            run.row["goodput_req_s"] = goodput(run.requests, exp.ttft_slo_ms, exp.tpot_slo_ms, run.row["duration_s"])
+        progress(f"{where}: {run.row['duration_s']:.3f} s, {run.row['output_throughput_tok_s']:.1f} tok/s")
+        return run
+
     for point, wl in points:
-        for repeat in range(-exp.warmup, exp.repeats):
+        prior = finished_rounds(done_runs, point, arms)
+        rows += prior.to_dict("records")
+        if not done_requests.empty and not prior.empty:
+            request_frames.append(done_requests.merge(prior[[*point, "arm", "repeat"]], on=[*point, "arm", "repeat"]))
+        measured_rounds = set(prior["repeat"]) if not prior.empty else set()
+        label = _point_label(point)
+        if measured_rounds:
+            progress(f"{label}: {len(measured_rounds)} round(s) already measured, kept")
+        for repeat in range(-exp.warmup, max_rounds):
+            if repeat >= 0 and repeat in measured_rounds:
+                continue
+            if repeat >= exp.repeats and _settled(rows, point, baseline_name, exp, started):
+                break
+            if repeat < 0 and len(measured_rounds) >= exp.repeats:
+                continue         # nothing left to measure at this point: no warm-up either
             order = arms if repeat % 2 == 0 else arms[::-1]
             round_seqs: dict[str, list[Sequence]] = {}
             round_rows: dict[str, dict[str, Any]] = {}
             for arm in order:
-                done += 1
-                bar.update()
-                where = f"[{done}/{total}] {_point_label(point)} arm={arm.name} " + (
-                    "warm-up" if repeat < 0 else f"repeat {repeat}")
-                model = model_for(arm)
-                requests = make_requests(wl, model.config.vocab_size, tokenizer_for(model, wl))
-                if repeat < 0:   # warm-up: the same prompts, a few tokens each, is enough to warm up
-                    requests = [replace(r, max_new_tokens=min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests]
-                if arm.name in failed:
-                    run = ArmRun({"status": "failed", "status_detail": failed[arm.name]}, pd.DataFrame(), [])
-                else:
-                    try:
-                        run = run_once(arm, model, requests, engine_cfg, registry, peaks, exp.recorder,
-                                       exp.track_memory)
-                    except PluginError as err:
-                        failed[arm.name] = f"{err}"
-                        progress(f"{where}: FAILED, not measured again: {err}")
-                        run = ArmRun({"status": "failed", "status_detail": failed[arm.name]}, pd.DataFrame(), [])
-                if run.row["status"] == "ok":
-                    has_slo = exp.ttft_slo_ms is not None or exp.tpot_slo_ms is not None
-                    if has_slo and not run.requests.empty:   # requests per second meeting every SLO set
-                        run.row["goodput_req_s"] = goodput(run.requests, exp.ttft_slo_ms, exp.tpot_slo_ms,
-                                                           run.row["duration_s"])
-                    progress(f"{where}: {run.row['duration_s']:.3f} s, {run.row['output_throughput_tok_s']:.1f} tok/s")
-                    round_seqs[arm.name] = run.sequences
+                where = f"{label} arm={arm.name} " + ("warm-up" if repeat < 0 else f"round {repeat + 1}")
+                run = measure(arm, wl, where, warmup=repeat < 0)
                 if repeat < 0:
                     continue
+                if run.row["status"] == "ok":
+                    round_seqs[arm.name] = run.sequences
                 round_rows[arm.name] = row = {**point, "arm": arm.name, "label": arm.label(), "repeat": repeat,
                                               **run.row}
                 rows.append(row)
@@ -217,20 +180,48 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
                 if run.sequences:
                     samples.setdefault(arm.name, run.sequences[0].output_token_ids)
             if repeat >= 0:
-                _check_exactness(round_rows, round_seqs, checked, baseline_name, model_for(baseline))
+                _check_round(round_rows, round_seqs, checked, baseline_name, model_for(baseline))
+                if on_round is not None:
+                    on_round(pd.DataFrame(rows), _concat(request_frames))
+        if exp.quality.enabled:
+            _guard_quality(rows, point, wl, arms, baseline, model_for, tokenizer_for, engine_cfg, registry,
+                           exp.quality, progress)
     bar.close()
     runs = pd.DataFrame(rows)
-    requests_df = pd.concat(request_frames, ignore_index=True) if request_frames else pd.DataFrame()
     declared = Declarations.of(registry.get(slot, config.name) for arm in arms for slot, config in arm.plugins.items())
     summary = summarise_arms(runs, list(points[0][0]), baseline_name, declared.stats)
-    return ExperimentResult(runs, requests_df, summary, samples, declared)
+    return ExperimentResult(runs, _concat(request_frames), summary, samples, declared)
 
 
-def _check_exactness(rows: dict[str, dict[str, Any]], seqs: dict[str, list[Sequence]], checked: set[str],
-                     baseline: str, model: LlamaModel) -> None:
-    """Arms that must give the baseline's greedy tokens, compared with the baseline's of this round."""
+def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _settled(rows: list[dict[str, Any]], point: dict[str, Any], baseline: str, exp: ExperimentConfig,
+             started: float) -> bool:
+    """Past the minimum rounds: stop when the time budget is spent or every ok arm's speedup interval
+    is narrower than ci_target."""
+    if exp.time_budget_s and time.perf_counter() - started > exp.time_budget_s:
+        return True
+    here = pd.DataFrame([r for r in rows if all(r.get(k) == v for k, v in point.items())])
+    base = here[(here["arm"] == baseline) & (here["status"] == "ok")].set_index("repeat")["duration_s"]
+    for arm, frame in here[here["arm"] != baseline].groupby("arm"):
+        if (frame["status"] != "ok").any():
+            continue
+        ratios = (base / frame.set_index("repeat")["duration_s"]).to_numpy(float)
+        if log_interval(ratios).relative_half_width > exp.ci_target:
+            return False
+    return True
+
+
+def _check_round(rows: dict[str, dict[str, Any]], seqs: dict[str, list[Sequence]], checked: set[str],
+                 baseline: str, model: LlamaModel) -> None:
+    """Every arm's greedy tokens against the baseline's of this round (token_agreement); arms that
+    must give them exactly are checked up to rounding (ablate.measure.exactness)."""
     if baseline not in seqs:
         return
+    for arm in seqs:
+        rows[arm]["token_agreement"] = quality.token_agreement(seqs[baseline], seqs[arm])
     for arm in checked & set(seqs):
         agreement = compare_greedy(model, seqs[baseline], seqs[arm])
         rows[arm]["baseline_agreement"] = agreement.rate
@@ -239,6 +230,38 @@ def _check_exactness(rows: dict[str, dict[str, Any]], seqs: dict[str, list[Seque
             rows[arm]["status_detail"] = (
                 f"declared exact, but {agreement.num_diverged} of {agreement.num_compared} greedy requests differ "
                 f"from the baseline's beyond rounding; first: {agreement.first_divergence}")
+
+
+def _guard_quality(rows: list[dict[str, Any]], point: dict[str, Any], wl: WorkloadConfig, arms: list[Arm],
+                   baseline: Arm, model_for, tokenizer_for, engine_cfg: EngineConfig, registry: Registry,
+                   cfg: quality.QualityConfig, progress: Callable[[str], None]) -> None:
+    """Perplexity ratio of each arm on held-out text, then the verdict on every round's row."""
+    here = [r for r in rows if all(r.get(k) == v for k, v in point.items())]
+    ok_arms = [a for a in arms if any(r["arm"] == a.name and r["status"] == "ok" for r in here)]
+    if baseline not in ok_arms:
+        return
+    tokens = _heldout(model_for(baseline), tokenizer_for(model_for(baseline), wl), cfg.heldout_tokens, wl.seed)
+    ppl = {a.name: arm_perplexity(a, model_for(a), tokens, cfg.context_tokens, engine_cfg, registry)
+           for a in [baseline] + [a for a in ok_arms if a is not baseline]}
+    for row in here:
+        if row["arm"] not in ppl:
+            continue
+        row["perplexity"] = ppl[row["arm"]]
+        row["ppl_ratio"] = ppl[row["arm"]] / ppl[baseline.name]
+        lost = quality.verdict(cfg, row["ppl_ratio"], row.get("token_agreement", math.nan))
+        if lost and row["status"] == "ok":
+            row["status"], row["status_detail"] = quality.DEGRADED, lost
+    progress(f"{_point_label(point)} quality: perplexity of {len(tokens) - cfg.context_tokens} held-out tokens, "
+             + ", ".join(f"{arm} {value:.2f}" for arm, value in ppl.items()))
+
+
+def _heldout(model: LlamaModel, tokenizer, num_tokens: int, seed: int) -> list[int]:
+    """Held-out text for a real checkpoint (never used for prompts); seeded random ids otherwise."""
+    if tokenizer is not None:
+        from ablate.workload.text import heldout_tokens
+        return heldout_tokens(tokenizer, num_tokens)
+    generator = torch.Generator().manual_seed(10_000 + seed)
+    return torch.randint(model.config.vocab_size, (num_tokens,), generator=generator).tolist()
 
 
 def _point_label(point: dict[str, Any]) -> str:

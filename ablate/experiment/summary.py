@@ -17,9 +17,10 @@ MEDIAN_COLUMNS = (
     "itl_p50_ms", "itl_p99_ms", "tokens_per_emission", "decode_step_q1_ms", "decode_step_q4_ms",
     "peak_memory_bytes", "kv_reserved_peak_bytes", "kv_used_peak_bytes", "kv_util_mean", "mbu_decode", "mfu",
     "kv_util_at_peak", "queue_p50_ms", "queue_p99_ms", "goodput_req_s", "seqs_admitted_max", "seqs_admitted_mean",
-    "seqs_admitted_while_queued", "preemptions", "kv_bytes_per_token", "baseline_agreement")
-# an arm's status over its rounds: the worst one counts
-STATUS_ORDER = ("ok", "diverged", "failed")
+    "seqs_admitted_while_queued", "preemptions", "kv_bytes_per_token", "baseline_agreement", "token_agreement",
+    "perplexity", "ppl_ratio")
+# an arm's status over its rounds: the worst one counts (degraded: lost quality, ablate.experiment.quality_guard)
+STATUS_ORDER = ("ok", "degraded", "diverged", "failed")
 AGGREGATE = {"median": lambda v: v.median(), "max": lambda v: v.max(), "min": lambda v: v.min(),
              "first": lambda v: v.iloc[0]}
 
@@ -30,8 +31,9 @@ def worst_status(statuses: pd.Series) -> str:
 
 def summarise_arms(runs: pd.DataFrame, point_keys: list[str], baseline: str,
                    stats: dict[str, Stat]) -> pd.DataFrame:
-    """Per grid point and arm. An arm whose status is not "ok" (it failed, or declared itself exact
-    and diverged from the baseline) gets no speedup: its time measures something else."""
+    """Per grid point and arm. An arm whose status is not "ok" (it failed, declared itself exact and
+    diverged from the baseline, or lost quality) gets no speedup: its time measures something else.
+    A degraded arm's time ratio is kept as `time_ratio` (with its CI), to be read with its quality cost."""
     out = []
     groups = runs.groupby(point_keys, sort=False) if point_keys else [((), runs)]
     for point, frame in groups:
@@ -43,15 +45,18 @@ def summarise_arms(runs: pd.DataFrame, point_keys: list[str], baseline: str,
             row = dict(zip(point_keys, point)) | {"arm": arm, "label": arm_frame["label"].iloc[0], "status": status}
             details = [d for d in arm_frame.get("status_detail", pd.Series(dtype=object)).dropna() if d]
             row["status_detail"] = details[0] if details else ""
-            ok = arm_frame[arm_frame["status"] == "ok"]
-            if status == "ok" and not base.empty:
+            ok = arm_frame[arm_frame["status"].isin(("ok", "degraded"))]     # measured as it claims to run
+            if status in ("ok", "degraded") and not base.empty:
                 ratios = (base["duration_s"].reindex(ok.index) / ok["duration_s"]).to_numpy(float)
-                speedup = log_interval(ratios)
+                ratio = log_interval(ratios)
             else:
-                speedup = Interval(np.nan, np.nan, np.nan, 0, f"arm {status}")
-            row |= {"speedup": speedup.center, "speedup_ci_low": speedup.low, "speedup_ci_high": speedup.high,
-                    "speedup_rounds": speedup.n, "speedup_note": speedup.note}
-            if status == "ok" and "predicted_step_time_s_total" in ok and not base.empty:
+                ratio = Interval(np.nan, np.nan, np.nan, 0, f"arm {status}")
+            if status == "degraded":
+                row |= {"time_ratio": ratio.center, "time_ratio_ci_low": ratio.low, "time_ratio_ci_high": ratio.high}
+                ratio = Interval(np.nan, np.nan, np.nan, ratio.n, "lost quality")
+            row |= {"speedup": ratio.center, "speedup_ci_low": ratio.low, "speedup_ci_high": ratio.high,
+                    "speedup_rounds": ratio.n, "speedup_note": ratio.note}
+            if status in ("ok", "degraded") and "predicted_step_time_s_total" in ok and not base.empty:
                 row["predicted_speedup"] = float(base["predicted_step_time_s_total"].median()
                                                  / ok["predicted_step_time_s_total"].median())
             measured = ok if not ok.empty else arm_frame

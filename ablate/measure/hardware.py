@@ -3,29 +3,83 @@
 Bandwidth: a copy of a buffer far larger than the last-level cache (~300 MiB on the CI CPUs),
 filled with data first (untouched pages read as the shared zero page and flatter the figure);
 bytes moved = read + write. FLOP/s: the best of a few large square matmuls in the model's dtype.
+
+Measurements are cached in CACHE_DIR/peaks.json, one entry per machine identity (hostname, CPU
+model, logical CPUs, RAM; GPU name and memory on CUDA) x device type x dtype x torch threads x torch
+version. An entry records when it was measured and is measured again after STALE_AFTER, or when
+the machine it was measured on differs. A corrupt cache file is reported in one line and replaced.
+
+Sweeps: a measurement taken while other jobs run is wrong (memory bandwidth is shared), so a
+multirun measures once in the launcher before any job starts (ablate.experiment.sweep_callbacks)
+and sets ABLATE_PEAKS_FROZEN=1; with it set, `peaks` only reads the cache (whatever the entry's
+age) and raises PeaksUnavailable when it has no entry: the caller runs without peaks (MBU, MFU and
+the roofline prediction left empty) and prints the reason.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import os
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
+import psutil
 import torch
 
 from ablate.measure import device as dev
 
 CACHE_DIR = Path.home() / ".cache" / "ablate"
+CACHE_FILE = "peaks.json"
+STALE_AFTER = timedelta(days=7)          # a cached measurement older than this is measured again
+FROZEN_ENV = "ABLATE_PEAKS_FROZEN"       # "1": never measure, only read the cache (set during sweeps)
+BANDWIDTH_BUFFER_BYTES = {"cuda": 8 << 30, "cpu": 2 << 30}
+
+
+class PeaksUnavailable(RuntimeError):
+    """No peaks to use: measuring is frozen (a parallel sweep runs) and the cache has no entry."""
 
 
 @dataclass(frozen=True)
 class Peaks:
     bandwidth_bytes_s: float
     flops: float
-    source: str       # measured | config | cached
+    source: str              # measured | cached | config | config+measured | config+cached (some given)
+    measured_at: str = ""    # UTC ISO time of the measurement ("" when both figures were given)
+    machine: str = ""        # the machine identity in one line (machine_label)
+    threads: int = 0         # torch intra-op threads the figures hold for
+    dtype: str = ""          # the matmul dtype of `flops` (bfloat16, float32, ...)
 
     def __post_init__(self) -> None:
         if self.bandwidth_bytes_s <= 0 or self.flops <= 0:
             raise ValueError("peak bandwidth and peak FLOP/s must be positive")
+
+    def record(self) -> dict[str, Any]:
+        """What a run records about its peaks (environment.json, the W&B config), in readable units."""
+        return {"peak_bandwidth_gb_s": self.bandwidth_bytes_s / 1e9, "peak_flops_gflop_s": self.flops / 1e9,
+                "source": self.source, "measured_at": self.measured_at, "machine": self.machine,
+                "threads": self.threads, "dtype": self.dtype}
+
+
+def machine_identity(device: torch.device) -> dict[str, Any]:
+    """What identifies the machine a measurement holds for: a cache entry from another is not used."""
+    ident: dict[str, Any] = {"hostname": socket.gethostname(), "cpu": dev._cpu_name(),
+                             "cpu_count": os.cpu_count() or 0, "memory_bytes": psutil.virtual_memory().total}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        ident |= {"gpu": props.name, "gpu_memory_bytes": props.total_memory}
+    return ident
+
+
+def machine_label(ident: dict[str, Any]) -> str:
+    label = (f"{ident['hostname']}: {ident['cpu']} x{ident['cpu_count']}, "
+             f"{ident['memory_bytes'] / 2**30:.1f} GiB RAM")
+    if "gpu" in ident:
+        label += f"; {ident['gpu']} {ident['gpu_memory_bytes'] / 2**30:.1f} GiB"
+    return label
 
 
 def measure_bandwidth(device: torch.device, num_bytes: int = 2 << 30, repeats: int = 3) -> float:
@@ -52,25 +106,93 @@ def measure_flops(device: torch.device, dtype: torch.dtype, n: int = 2048, repea
     return 2 * n**3 / best
 
 
+def frozen() -> bool:
+    return os.environ.get(FROZEN_ENV, "") not in ("", "0")
+
+
 def peaks(device: torch.device, dtype: torch.dtype, bandwidth: float = 0.0, flops: float = 0.0,
           use_cache: bool = True) -> Peaks:
-    """Given values win; else a cached measurement of this device and dtype; else measure now."""
+    """Given values win; else a fresh cached measurement of this machine, device, dtype and thread
+    count; else measure now (and cache it). Under ABLATE_PEAKS_FROZEN=1 nothing is measured: a
+    cached entry of any age is used, and without one this raises PeaksUnavailable."""
+    ident = machine_identity(device)
+    threads, dtype_name = torch.get_num_threads(), str(dtype).removeprefix("torch.")
+    common = {"machine": machine_label(ident), "threads": threads, "dtype": dtype_name}
     if bandwidth and flops:
-        return Peaks(bandwidth, flops, "config")
-    info = dev.describe(device)
-    key = f"{info['device_name']}-{device.type}-{dtype}-{torch.get_num_threads()}-{torch.__version__}"
-    path = CACHE_DIR / "peaks.json"
-    cached = json.loads(path.read_text()) if use_cache and path.exists() else {}
-    if key in cached:
-        p = cached[key]
-        return Peaks(bandwidth or p["bandwidth_bytes_s"], flops or p["flops"], "cached")
-    size = (8 << 30) if device.type == "cuda" else (2 << 30)
-    measured = Peaks(measure_bandwidth(device, size), measure_flops(device, dtype), "measured")
-    if use_cache:
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        cached[key] = asdict(measured)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        tmp.replace(path)
-    return Peaks(bandwidth or measured.bandwidth_bytes_s, flops or measured.flops, measured.source)
+        return Peaks(bandwidth, flops, "config", **common)
+    key = f"{common['machine']} | {device.type} | {dtype_name} | {threads} threads | torch {torch.__version__}"
+    path = CACHE_DIR / CACHE_FILE
+    entry = _read_cache(path).get(key) if use_cache else None
+    is_frozen = frozen()
+    if entry is not None and not _usable(entry, ident, max_age=None if is_frozen else STALE_AFTER):
+        entry = None
+    if entry is not None:
+        source = "cached"
+    elif is_frozen:
+        raise PeaksUnavailable(
+            f"no cached peaks for {key} and {FROZEN_ENV}=1 (a sweep is running; measuring now would "
+            f"read other jobs' load): run once with these settings outside the sweep, or give "
+            f"peak_bandwidth= and peak_flops=")
+    else:
+        size = BANDWIDTH_BUFFER_BYTES.get(device.type, 2 << 30)
+        entry = {"bandwidth_bytes_s": measure_bandwidth(device, size), "flops": measure_flops(device, dtype),
+                 "measured_at": _now().isoformat(timespec="seconds"), "machine": ident,
+                 "threads": threads, "dtype": dtype_name}
+        source = "measured"
+        if use_cache:
+            _write_entry(path, key, entry)
+    if bandwidth or flops:
+        source = f"config+{source}"
+    return Peaks(bandwidth or entry["bandwidth_bytes_s"], flops or entry["flops"], source,
+                 entry["measured_at"], **common)
 
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _usable(entry: Any, ident: dict[str, Any], max_age: timedelta | None) -> bool:
+    """Same machine, positive figures, a readable time, and (unless max_age is None) fresh."""
+    try:
+        measured_at = datetime.fromisoformat(entry["measured_at"])
+        if measured_at.tzinfo is None:
+            measured_at = measured_at.replace(tzinfo=timezone.utc)
+        ok = (entry["machine"] == ident and float(entry["bandwidth_bytes_s"]) > 0 and float(entry["flops"]) > 0)
+    except (KeyError, TypeError, ValueError):
+        return False
+    return ok and (max_age is None or _now() - measured_at <= max_age)
+
+
+def _read_cache(path: Path, warn: bool = True) -> dict[str, Any]:
+    """The cache's entries; {} when there is none, and (with a one-line warning) when it is corrupt."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        if warn:
+            print(f"warning: ignoring the corrupt peaks cache {path} ({type(err).__name__}: {err}); "
+                  "it will be overwritten", file=sys.stderr)
+        return {}
+    if not isinstance(data, dict):
+        if warn:
+            print(f"warning: ignoring the corrupt peaks cache {path} (not a JSON object); it will be "
+                  "overwritten", file=sys.stderr)
+        return {}
+    return data
+
+
+def _write_entry(path: Path, key: str, entry: dict[str, Any]) -> None:
+    """Add one entry, re-reading the file first (another process may have written since); atomic.
+    Entries of the older format (no measured_at) are dropped."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cached = {k: v for k, v in _read_cache(path, warn=False).items() if isinstance(v, dict) and "measured_at" in v}
+    cached[key] = entry
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(cached, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

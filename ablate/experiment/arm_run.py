@@ -1,0 +1,113 @@
+"""One arm measured once: its engine built afresh, the requests served, the figures of that run
+(ablate.measure.metrics), and the arm's perplexity on held-out text for the quality guardrail."""
+from __future__ import annotations
+
+import contextlib
+import gc
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from ablate.analysis.analytic import CostModel
+from ablate.api.context import EngineConfig
+from ablate.api.plugin import Slot
+from ablate.api.sequence import Request, Sequence
+from ablate.engine.arm import Arm, build_arm
+from ablate.engine.registry import Registry
+from ablate.measure import device as dev
+from ablate.measure.hardware import Peaks
+from ablate.measure.memory import TensorMemoryTracker
+from ablate.measure.metrics import request_table, roofline, summarise
+from ablate.measure.quality import runner_perplexity
+from ablate.measure.recorder import Recorder
+from ablate.model.llama import LlamaModel
+
+
+@dataclass
+class ArmRun:
+    """The figures of one arm on one grid point in one round."""
+
+    row: dict[str, Any]
+    requests: pd.DataFrame
+    sequences: list[Sequence]
+
+
+def expects_baseline_tokens(arm: Arm, baseline: Arm, registry: Registry) -> bool:
+    """Every plugin the arm changes is declared exact, on the same model: its greedy tokens must be
+    the baseline's."""
+    if arm.name == baseline.name or arm.model_overrides != baseline.model_overrides:
+        return False
+    return all(registry.get(slot, config.name).exact for slot, config in arm.plugins.items()
+               if config != baseline.plugins[slot])
+
+
+def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: EngineConfig,
+             registry: Registry, peaks: Peaks | None, record: bool, track_memory: bool = False) -> ArmRun:
+    """Build the arm's engine afresh and serve the requests once. A plugin that breaks the contract
+    raises PluginError (the engine's checks)."""
+    max_seq_len = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
+    max_seq_len = engine_cfg.max_seq_len or max_seq_len
+    if max_seq_len > model.config.max_seq_len:
+        raise ValueError(f"the workload needs {max_seq_len} tokens per sequence but model.max_seq_len is "
+                         f"{model.config.max_seq_len}; raise model.max_seq_len or shorten the workload")
+    recorders: list[Recorder] = []
+
+    def hooks(kv_cache):
+        if not record:
+            return ()
+        recorders.append(Recorder(kv_cache))
+        return recorders
+
+    built = build_arm(arm, model, engine_cfg, max_seq_len, registry, hooks)
+    try:
+        arm_model = built.engine.runner.model        # after the arm's variant (GQA, MLA...): what actually runs
+        for rec in recorders:
+            rec.cost_model = CostModel(arm_model.config, built.kv_cache.keeps_kv, built.kv_cache.bytes_per_token)
+        device = built.engine.device
+        tracker = TensorMemoryTracker() if track_memory and device.type != "cuda" else contextlib.nullcontext()
+        kv_reserved_before = built.kv_cache.bytes_reserved()
+        gc.collect()
+        dev.reset_peak_memory(device)
+        start = dev.now(device)
+        with tracker:
+            seqs = built.engine.run(requests)
+        wall = dev.now(device) - start
+        row: dict[str, Any] = {"wall_s": wall}
+        if record:
+            rec = recorders[0]
+            row |= summarise(rec)
+            if peaks is not None:
+                row |= roofline(rec, peaks)
+            requests_df = request_table(rec)
+        else:
+            row |= {"duration_s": wall, "output_tokens": sum(s.num_output_tokens for s in seqs)}
+            row["output_throughput_tok_s"] = row["output_tokens"] / wall
+            requests_df = pd.DataFrame()
+        row["kv_bytes_per_token"] = built.kv_cache.bytes_per_token
+        row["weight_bytes"] = arm_model.weight_bytes()
+        cuda_peak = dev.peak_memory_bytes(device)
+        # peak memory: the CUDA allocator's peak; on the CPU the tensors we track (weights + KV) and RSS
+        row["peak_memory_bytes"] = cuda_peak if cuda_peak is not None else row["weight_bytes"] + row.get(
+            "kv_reserved_peak_bytes", 0)
+        if isinstance(tracker, TensorMemoryTracker):
+            # weights and KV held before the run, plus everything the run allocated that was live at once
+            row["tracked_peak_bytes"] = tracker.peak_bytes
+            row["peak_memory_bytes"] = row["weight_bytes"] + kv_reserved_before + tracker.peak_bytes
+        row["rss_bytes"] = dev.process_rss_bytes()
+        row["attention_backend"] = built.plugins[Slot.ATTENTION].backend
+        row |= built.stats()
+    finally:
+        built.close()
+    return ArmRun(row | {"status": "ok", "status_detail": ""}, requests_df, seqs)
+
+
+def arm_perplexity(arm: Arm, model: LlamaModel, token_ids: list[int], num_context: int, engine_cfg: EngineConfig,
+                   registry: Registry) -> float:
+    """Perplexity of `token_ids` after the first `num_context` through the arm's runner (its variant,
+    KV cache and attention), teacher forced."""
+    built = build_arm(arm, model, engine_cfg, len(token_ids), registry)
+    try:
+        return runner_perplexity(built.engine.runner, token_ids, num_prefill=num_context)
+    finally:
+        built.close()

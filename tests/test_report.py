@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 from matplotlib.container import ErrorbarContainer
 
+from ablate.analysis.stats import log_interval
 from ablate.report import plots
 from ablate.report.declared import Declarations
 from ablate.report.page import main as report_main
@@ -119,8 +120,10 @@ def test_run_columns_add_throughput_cis_and_perplexity():
                          "perplexity": [12.0] * 3 + [13.0] * 3})
     frame = with_run_columns(summary, runs, ["output_len"]).set_index("arm")
     assert frame.loc["cache", "perplexity"] == 13.0
-    assert 190 <= frame.loc["cache", "output_throughput_tok_s_ci_low"] <= 200 <= \
-        frame.loc["cache", "output_throughput_tok_s_ci_high"] <= 210
+    ci = log_interval([190.0, 200.0, 210.0])       # the t-interval on logs over the rounds
+    assert (frame.loc["cache", "output_throughput_tok_s_ci_low"], frame.loc["cache", "output_throughput_tok_s_ci_high"]) \
+        == pytest.approx((ci.low, ci.high))
+    assert ci.low < 190 and ci.high > 210          # wider than the values' range at three rounds
 
 
 def test_markdown_has_the_tables_the_results_call_for_and_the_noise_warnings():

@@ -118,3 +118,130 @@ def test_a_job_with_wandb_misconfigured_still_finishes(unreachable_wandb, compos
     done = (folder.path / "done.json").read_text()
     assert "offline-run-" in done
     assert len(warning_lines(capfd.readouterr().err)) == 1
+
+
+# -- what an offline run holds, read back from its .wandb file ---------------------------------------------
+
+def wandb_records(run_dir: str | Path) -> list:
+    """The protobuf records of an offline run's .wandb file (a LevelDB-style log of 32 KiB blocks
+    after a 7-byte header: each chunk a 7-byte header, crc32, length, type full/first/middle/last)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = Path(run_dir).glob("run-*.wandb")
+    data, pos, pending, block, records = path.read_bytes(), 7, b"", 32768, []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:      # too little room left for a header: the block is padded
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (2, 3):
+            pending += chunk
+        elif kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending + chunk)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def read_back(run_dir: str | Path) -> dict:
+    """config, summary (the last value of each key), history (one dict per step) and exit code."""
+    import json
+
+    def items(entries) -> dict:
+        return {e.key or "/".join(e.nested_key): json.loads(e.value_json) for e in entries}
+
+    out = {"config": {}, "summary": {}, "history": [], "exit_code": None}
+    deadline = time.monotonic() + 30
+    records = wandb_records(run_dir)
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.5)           # wandb's service may write the last records just after finish() returns
+        records = wandb_records(run_dir)
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            out["config"] |= items(record.run.config.update)
+        elif kind == "config":
+            out["config"] |= items(record.config.update)
+        elif kind == "summary":
+            out["summary"] |= items(record.summary.update)
+        elif kind == "history":
+            out["history"].append(items(record.history.item))
+        elif kind == "exit":
+            out["exit_code"] = record.exit.exit_code
+    return out
+
+
+def job_frames():
+    """A summary and runs as a job writes them: two arms, three rounds, a grid of one key."""
+    rows = []
+    for arm, scale in (("recompute", 1.0), ("kv_cache", 0.5)):
+        for repeat in range(3):
+            rows.append({"output_len": 64, "arm": arm, "repeat": repeat, "status": "ok",
+                         "duration_s": scale * (10 + repeat), "output_throughput_tok_s": 100 / scale,
+                         **{f"{m}_{p}_ms": scale * (k + 1) * (repeat + 1) for k, m in enumerate(("ttft", "tpot"))
+                            for p in ("p50", "p90", "p99")},
+                         "e2e_p99_ms": 900.0 * scale, "goodput_req_s": 2.0 / scale})
+    runs = pd.DataFrame(rows)
+    summary = runs.groupby(["output_len", "arm"], sort=False).median(numeric_only=True).reset_index()
+    summary = summary.drop(columns="repeat").assign(status="ok", speedup=[1.0, 2.0], speedup_ci_low=[1.0, 1.9],
+                                                    speedup_ci_high=[1.0, 2.1], ppl_ratio=[1.0, 1.01],
+                                                    token_agreement=[1.0, 0.97], quality_flag=["", "ok"])
+    return summary, runs
+
+
+def test_an_offline_run_holds_summary_per_round_history_tables_and_context(tmp_path, capfd):
+    from ablate.report.wandb_log import summary_metrics
+
+    summary, runs = job_frames()
+    requests = pd.DataFrame({"arm": ["kv_cache"] * 4, "repeat": 0, "ttft_s": [0.1, 0.2, 0.3, 0.4]})
+    run_dir = log_run(WandbConfig(dir=str(tmp_path / "wandb")), name="ch08-abc", group="ch08", tags=["ch08"],
+                      config={"model": {"name": "tiny"}}, summary=summary_metrics(summary, ["output_len"]),
+                      tables={"summary": summary, "runs": runs, "requests": requests}, images={},
+                      default_dir=tmp_path, runs=runs, point_keys=["output_len"],
+                      peaks={"bandwidth_bytes_s": 1e11, "source": "table"}, environment={"python": "3.11"})
+    out, err = capfd.readouterr()
+    assert "wandb" not in out.lower() and "wandb:" not in err     # wandb's banner and sync hints are silenced
+    logged = read_back(run_dir)
+    assert logged["exit_code"] == 0
+    assert logged["config"]["peaks"]["source"] == "table" and logged["config"]["environment"] == {"python": "3.11"}
+    assert logged["config"]["model"] == {"name": "tiny"}
+    s = logged["summary"]
+    for key in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p99_ms", "e2e_p99_ms", "goodput_req_s",
+                "speedup", "ppl_ratio", "token_agreement"):
+        assert f"{key}/kv_cache/output_len=64" in s, key
+    assert s["speedup/kv_cache/output_len=64"] == 2.0 and s["quality_flag/kv_cache/output_len=64"] == "ok"
+    assert "quality_flag/recompute/output_len=64" not in s        # an empty flag is no flag
+    assert s["requests/_type"] == "table-file" and s["requests/nrows"] == 4
+    rounds = [h for h in logged["history"] if "round" in h]
+    assert [h["round"] for h in rounds] == [0, 1, 2]
+    assert [h["ttft_p99_ms/kv_cache/output_len=64"] for h in rounds] == [0.5, 1.0, 1.5]
+    assert rounds[0]["duration_s/recompute/output_len=64"] == 10.0
+
+
+def test_a_failed_job_is_a_run_with_exit_code_1_and_its_error(tmp_path):
+    from ablate.report.wandb_log import log_failed_run
+
+    run_dir = log_failed_run(WandbConfig(dir=str(tmp_path / "wandb")), name="ch08-abc", group="ch08", tags=["ch08"],
+                             config={"model": {"name": "tiny"}}, error="RuntimeError: CUDA out of memory\n  at ...",
+                             default_dir=tmp_path, environment={"device": "cpu"})
+    logged = read_back(run_dir)
+    assert logged["exit_code"] == 1
+    assert logged["summary"]["status"] == "failed"
+    assert logged["summary"]["error"] == "RuntimeError: CUDA out of memory at ..."
+    assert logged["config"]["environment"] == {"device": "cpu"}
+    assert log_failed_run(WandbConfig(mode="disabled"), name="x", group="g", tags=[], config={}, error="e",
+                          default_dir=tmp_path) is None
+
+
+def test_nothing_raises_on_bad_input(tmp_path, capfd):
+    from ablate.report.wandb_log import summary_metrics
+
+    assert summary_metrics(pd.DataFrame({"speedup": [2.0]}), []) == {}       # no arm column: nothing, a warning
+    run_dir = log_run(WandbConfig(dir=str(tmp_path / "wandb")), name="x", group="g", tags=[], config={},
+                      summary={}, tables={"bad": "not a frame"}, images={}, default_dir=tmp_path,
+                      runs=pd.DataFrame({"repeat": [0], "arm": ["a"], "duration_s": ["slow"]}))
+    assert run_dir is None
+    assert len(warning_lines(capfd.readouterr().err)) == 2

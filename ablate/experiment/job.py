@@ -1,5 +1,13 @@
 """One job: compose arms, run the experiment, store the results, log to W&B, print the report.
 
+What is measured is kept first: every finished round is written to the run folder as it completes
+(runs.csv, requests.csv), so a job killed or failed midway keeps its rounds, and running the same
+config again measures only the rounds still missing, provided the same code measured them
+(ablate.results.code_version; other code: the old rounds are set aside, not mixed in). After the
+measurement, the summary and done.json are written before anything that may fail for reasons of
+its own (the report's figures, the sample text, W&B): those are best effort, and a failure there
+is a warning recorded in done.json.
+
 No Hydra here: the CLI hands over the resolved config as a plain dict.
 """
 from __future__ import annotations
@@ -22,87 +30,177 @@ from ablate.measure import device as dev
 from ablate.measure import hardware
 from ablate.model.llama import LlamaModel
 from ablate.report.ablation import wandb_extras
+from ablate.report.console import job_prefix
 from ablate.report.declared import FILE as DECLARATIONS_FILE
-from ablate.report.page import summary_table, write_report
-from ablate.report.wandb_log import log_run, summary_metrics
-from ablate.results import RunFolder, environment
+from ablate.report.page import write_report
+from ablate.report.tables import console_table
+from ablate.report.wandb_log import log_failed_run, log_run, summary_metrics, warn
+from ablate.results import RunFolder, code_version, environment
 
 # keys that change where or how results are written, not what is measured
 NOT_MEASURED = ("wandb", "redo", "results_dir")
 
 
-def run_job(raw: dict[str, Any], registry: Registry, swallow_errors: bool = False) -> RunFolder | None:
+def run_job(raw: dict[str, Any], registry: Registry, swallow_errors: bool = False,
+            job_dir: str | None = None) -> RunFolder | None:
+    """Run one job; `job_dir` (Hydra's output folder of the job) gets a link to the run folder."""
     cfg = to_run_config(raw, registry)
     plan = make_plan(cfg, registry)               # incompatible plugins are refused here, before loading
+    say = _printer(job_prefix())
+    threads_before = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    try:
+        return _job(cfg, raw, plan, registry, swallow_errors, job_dir, say)
+    finally:
+        torch.set_num_threads(threads_before)      # jobs of a sweep may share this process
+
+
+def _job(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swallow_errors: bool,
+         job_dir: str | None, say) -> RunFolder | None:
     device = dev.resolve(cfg.device)
     measured = {k: v for k, v in raw.items() if k not in NOT_MEASURED}
     folder = RunFolder.for_config(Path(cfg.results_dir), cfg.experiment.name, measured)
+    code = code_version()
     if folder.is_done and not cfg.redo:
-        print(f"already finished, skipped (redo=true runs it again): {folder.path}")
+        say(f"already finished, skipped (redo=true runs it again): {folder.path}")
+        if folder.code_version not in (None, code):
+            warn(f"{folder.path} was measured by code {folder.code_version}, this is {code}: "
+                 "its figures may not hold for this code; redo=true measures again")
         return folder
-    folder.start(raw, environment(dev.describe(device)), redo=cfg.redo)
-    print(f"results: {folder.path}")
+    done = None
+    if folder.path.exists() and not cfg.redo:
+        runs, requests = folder.measured_rounds()
+        if not runs.empty and folder.code_version == code:
+            done = (runs, requests)
+            say(f"continuing an unfinished run: {runs['repeat'].nunique()} round(s) kept from {folder.path}")
+        elif not runs.empty:
+            folder.set_aside(f"rounds measured by other code ({folder.code_version}, now {code})")
+    peaks = _peaks(cfg, device, say)
+    env = environment(dev.describe(device)) | {"peaks": peaks.record() if peaks else None}
+    folder.start(raw, env, redo=cfg.redo)
+    _link(job_dir, folder)
+    say(f"results: {folder.path}")
     if plan.ablation_arms is not None:    # every planned arm, measured or skipped with the reason, for the report
         folder.write_table(ARMS_TABLE, plan.ablation_arms)
         for row in plan.ablation_arms[plan.ablation_arms["status"] == "skipped"].itertuples():
-            print(f"ablation: arm {row.arm} ({row.roles}) skipped: {row.reason}")
+            say(f"ablation: arm {row.arm} ({row.roles}) skipped: {row.reason}")
     try:
         if cfg.experiment.kind == "costs":    # analytic only (ch07): no model is loaded, no engine runs
             from ablate.experiment.costs_job import run_costs_job
             run_costs_job(cfg, raw, folder)
             return folder
+
+        def keep(runs, requests) -> None:   # after every round: what was measured is on disk
+            folder.write_table("runs", runs)
+            folder.write_table("requests", requests)
+
+        def loader(overrides: dict[str, Any]) -> LlamaModel:
+            return load_model(replace(cfg.model, **overrides), device)
+
         with dev.exclusive(device):
-            result = _run(cfg, plan.arms, registry, device)
-    except Exception as err:
-        folder.finish("failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
+            result = run_experiment(cfg.experiment, plan.arms, loader, cfg.workload, cfg.engine, registry, peaks,
+                                    progress=say, done=done, on_round=keep)
+        keep(result.runs, result.requests)
+        folder.write_table("summary", result.summary)
+        folder.write_text(DECLARATIONS_FILE, result.declared.to_json())
+    except (Exception, SystemExit) as err:       # SystemExit: a plugin calling sys.exit fails its job only
+        error = f"{type(err).__name__}: {err}"
+        folder.finish("failed", error=error, traceback=traceback.format_exc())
+        log_failed_run(cfg.wandb, name=f"{cfg.experiment.name}-{folder.path.name}", group=cfg.experiment.name,
+                       tags=_tags(cfg, plan.arms), config=raw, error=error, default_dir=folder.path,
+                       peaks=peaks.record() if peaks else None)
         if swallow_errors:   # a sweep goes on; this job is recorded as failed
-            print(f"job failed, recorded in {folder.path / 'failed.json'}: {type(err).__name__}: {err}")
+            say(f"job failed, recorded in {folder.path / 'failed.json'}: {error}")
             return None
         raise
-    _store(cfg, raw, plan.arms, result, folder)
+    warnings, wandb_dir = _publish(cfg, raw, plan.arms, result, folder, peaks, say)
+    folder.finish("done", wandb_dir=wandb_dir, warnings=warnings)
     return folder
 
 
-def _run(cfg: RunConfig, arms: list[Arm], registry: Registry, device: torch.device) -> ExperimentResult:
-    peaks = hardware.peaks(device, cfg.model.torch_dtype, cfg.peak_bandwidth, cfg.peak_flops)
-    print(f"peaks ({peaks.source}): bandwidth {peaks.bandwidth_bytes_s / 1e9:.1f} GB/s, "
-          f"matmul {peaks.flops / 1e9:.1f} GFLOP/s ({cfg.model.dtype})")
+def _peaks(cfg: RunConfig, device: torch.device, say) -> hardware.Peaks | None:
+    """This machine's peaks (cached, measured, or given), or None with the reason printed."""
+    if cfg.experiment.kind == "costs":
+        return None
+    try:
+        peaks = hardware.peaks(device, cfg.model.torch_dtype, cfg.peak_bandwidth, cfg.peak_flops)
+    except hardware.PeaksUnavailable as err:
+        say(f"peaks: none, so MBU, MFU and the roofline prediction are left empty: {err}")
+        return None
+    say(f"peaks ({peaks.source}{', measured ' + peaks.measured_at if peaks.measured_at else ''}): bandwidth "
+        f"{peaks.bandwidth_bytes_s / 1e9:.1f} GB/s, matmul {peaks.flops / 1e9:.1f} GFLOP/s "
+        f"({cfg.model.dtype}, {peaks.threads} threads)")
+    return peaks
 
-    def loader(overrides: dict[str, Any]) -> LlamaModel:
-        return load_model(replace(cfg.model, **overrides), device)
 
-    return run_experiment(cfg.experiment, arms, loader, cfg.workload, cfg.engine, registry, peaks)
-
-
-def _store(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: ExperimentResult,
-           folder: RunFolder) -> None:
+def _publish(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: ExperimentResult, folder: RunFolder,
+             peaks: hardware.Peaks | None, say) -> tuple[list[str], str | None]:
+    """The report, the console table, the sample and W&B: each best effort; returns what failed and
+    the W&B run's folder."""
     point_keys = list(cfg.experiment.grid)
-    folder.write_table("runs", result.runs)
-    folder.write_table("requests", result.requests)
-    folder.write_table("summary", result.summary)
-    folder.write_text(DECLARATIONS_FILE, result.declared.to_json())
+    warnings: list[str] = []
+
+    def attempt(what: str, action) -> Any:
+        try:
+            return action()
+        except Exception as err:
+            warnings.append(f"{what} failed: {type(err).__name__}: {err}")
+            warn(f"{what} failed ({type(err).__name__}: {err}); the measurements are in {folder.path}")
+            return None
+
     notes = ["arms: " + "; ".join(f"{a.name} = {a.label()}" for a in arms),
              f"model {cfg.model.name} ({cfg.model.dtype}), {cfg.workload.num_requests} requests, "
              f"prompt {cfg.workload.prompt_len}, output {cfg.workload.output_len}, "
-             f"{cfg.experiment.repeats} repeats after {cfg.experiment.warmup} warm-up",
-             "speedup = baseline time / arm time per round, median [bootstrap 95% CI]; "
-             "predicted = the analytic roofline's ratio"]
-    report, figures = write_report(folder.path, result.summary, point_keys, cfg.experiment.name, notes,
-                                   result.runs, result.declared)
+             f"{result.runs['repeat'].nunique()} rounds after {cfg.experiment.warmup} warm-up",
+             "speedup = baseline time / arm time per round: geometric mean over rounds [t 95% CI on the "
+             "log ratios; none under 3 rounds]; predicted = the analytic roofline's ratio",
+             "quality: token agreement with the baseline's greedy text, and perplexity of held-out text "
+             "through each arm / the baseline's; an arm beyond the limits is *degraded* and gets no speedup"]
+    written = attempt("the report", lambda: write_report(
+        folder.path, result.summary, point_keys, cfg.experiment.name, notes, result.runs, result.declared,
+        ttft_slo_ms=cfg.experiment.ttft_slo_ms, tpot_slo_ms=cfg.experiment.tpot_slo_ms))
+    report, figures = written or (None, {})
     print()
-    print(summary_table(result.summary, point_keys).to_string(index=False))
+    attempt("the console table", lambda: print(console_table(result.summary, point_keys)))
     if result.samples:
-        print(f"\n{_sample_text(cfg, *next(iter(result.samples.items())))}")
-    tags = [cfg.experiment.chapter, cfg.model.name] + [a.label() for a in arms]
-    ablation_summary, ablation_tables = wandb_extras(folder.path)    # nothing unless an ablation
+        attempt("the sample", lambda: print(f"\n{_sample_text(cfg, *next(iter(result.samples.items())))}"))
+    ablation_summary, ablation_tables = attempt("the ablation's W&B extras", lambda: wandb_extras(folder.path)) or ({}, {})
     wandb_dir = log_run(cfg.wandb, name=f"{cfg.experiment.name}-{folder.path.name}", group=cfg.experiment.name,
-                        tags=tags, config=raw, summary=summary_metrics(result.summary, point_keys) | ablation_summary,
-                        tables={"summary": result.summary, "runs": result.runs, **ablation_tables},
-                        images=figures, default_dir=folder.path)
-    folder.finish("done", wandb_dir=wandb_dir)
-    print(f"\nreport: {report}" + (f"\nW&B run: {wandb_dir}" if wandb_dir else ""))
+                        tags=_tags(cfg, arms), config=raw,
+                        summary=summary_metrics(result.summary, point_keys) | ablation_summary,
+                        tables={"summary": result.summary, "runs": result.runs, "requests": result.requests,
+                                **ablation_tables},
+                        images=figures, default_dir=folder.path, runs=result.runs, point_keys=point_keys,
+                        peaks=peaks.record() if peaks else None)
+    say(f"\nreport: {report}" + (f"\nW&B run: {wandb_dir}" if wandb_dir else ""))
+    return warnings, wandb_dir
+
+
+def _tags(cfg: RunConfig, arms: list[Arm]) -> list[str]:
+    return [cfg.experiment.chapter, cfg.model.name] + [a.label() for a in arms]
+
+
+def _printer(prefix: str):
+    """print, every line prefixed (a sweep's jobs say which job a line is from)."""
+    def say(text: str) -> None:
+        print("\n".join(prefix + line if line else line for line in str(text).split("\n")), flush=True)
+    return say
+
+
+def _link(job_dir: str | None, folder: RunFolder) -> None:
+    """Hydra's job folder -> the run folder (a `results` link), and the run folder lists its job folders."""
+    if not job_dir:
+        return
+    try:
+        link = Path(job_dir) / "results"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(folder.path.resolve(), target_is_directory=True)
+        with open(folder.path / "hydra_job_dirs.txt", "a") as f:
+            f.write(f"{Path(job_dir).resolve()}\n")
+    except OSError as err:
+        warn(f"could not link Hydra's job folder {job_dir} to {folder.path}: {err}")
 
 
 def _sample_text(cfg: RunConfig, arm: str, tokens: list[int]) -> str:
@@ -111,3 +209,4 @@ def _sample_text(cfg: RunConfig, arm: str, tokens: list[int]) -> str:
         return f"sample ({arm}, random weights, first request's output token ids): {tokens[:24]}"
     from ablate.checkpoints.loader import load_tokenizer
     return f"sample ({arm}, first request's output):\n    {load_tokenizer(cfg.model).decode(tokens)!r}"
+

@@ -4,11 +4,14 @@ Every figure is a function of one frame: the summary (one row per grid point x a
 few per-run columns it lacks (KV bytes per token, the drafter, perplexity, throughput CIs). The
 conventions hold across figures so that a reader can follow an arm from one to the next:
 
-- colour = arm (in the experiment's order); marker = the value of any further grid key;
+- colour = arm (in the experiment's order, tab10 then tab20); marker = the value of any further
+  grid key, else the arm's own: colour and marker together tell every arm apart;
   line style = the series (p50 solid, p99 dashed; measured solid, predicted dotted);
 - x = the grid key that varies (sequence length, request rate, ...), log2 when the values span
-  8x or more; with no grid the arms are bars;
-- error bars are bootstrap 95% CIs over the repeats (speedup: over the per-round ratios).
+  8x or more; with no grid, or a grid of one point, the arms are bars (never a line of one x);
+- error bars are 95% CIs over the rounds: a t-interval on the log scale (ablate/analysis/stats.py;
+  speedup: over the per-round ratios), none under 3 rounds;
+- legends sit right of the axes, never over the data; long arm names under bars are cut.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from ablate.analysis.stats import bootstrap_ci  # noqa: E402
+from ablate.analysis.stats import log_interval  # noqa: E402
+from ablate.report.style import dodge, palette, short_labels  # noqa: E402
 
 AXIS_LABELS = {
     "output_len": "output length (tokens)", "prompt_len": "prompt length (tokens)",
@@ -37,13 +41,16 @@ AXIS_LABELS = {
 }
 # per-run columns the summary lacks that figures need: column -> how the repeats are combined
 RUN_COLUMNS = {"perplexity": "median"}
-CI_COLUMNS = ("output_throughput_tok_s",)     # get `<column>_ci_low/high` from the repeats
+# get `<column>_ci_low/high` from the rounds (log_interval) when the summary lacks them
+CI_COLUMNS = ("output_throughput_tok_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p90_ms",
+              "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "goodput_req_s")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 MIB = 2**20
 
 
 def with_run_columns(summary: pd.DataFrame, runs: pd.DataFrame | None, point_keys: list[str]) -> pd.DataFrame:
-    """The summary plus RUN_COLUMNS it lacks and bootstrap CIs of CI_COLUMNS, per grid point and arm."""
+    """The summary plus RUN_COLUMNS it lacks and CIs of CI_COLUMNS over the rounds (log_interval),
+    per grid point and arm."""
     if runs is None or runs.empty:
         return summary
     keys = [*point_keys, "arm"]
@@ -53,10 +60,10 @@ def with_run_columns(summary: pd.DataFrame, runs: pd.DataFrame | None, point_key
         if column in runs and column not in summary:
             extra[column] = groups[column].agg(how)
     for column in CI_COLUMNS:
-        if column in runs:
-            cis = groups[column].agg(lambda v: bootstrap_ci(v.to_numpy(float)))
-            extra[f"{column}_ci_low"] = [lo for lo, _ in cis]
-            extra[f"{column}_ci_high"] = [hi for _, hi in cis]
+        if column in runs and f"{column}_ci_low" not in summary and pd.api.types.is_numeric_dtype(runs[column]):
+            cis = [log_interval(v.to_numpy(float)) for _, v in groups[column]]
+            extra[f"{column}_ci_low"] = [ci.low for ci in cis]
+            extra[f"{column}_ci_high"] = [ci.high for ci in cis]
     if extra.columns.empty:
         return summary
     return summary.merge(extra.reset_index(), on=keys, how="left")
@@ -98,7 +105,11 @@ class Layout:
         return cls(x_key, [k for k in varying if k != x_key], list(dict.fromkeys(frame["arm"])))
 
     def colour(self, arm: str) -> str:
-        return f"C{self.arms.index(arm) % 10}"
+        return palette(self.arms.index(arm), len(self.arms))
+
+    def marker(self, arm: str, combo: int) -> str:
+        """The further grid keys' combination sets the marker; with none, the arm's own."""
+        return MARKERS[(combo if self.marker_keys else self.arms.index(arm) if arm in self.arms else 0) % len(MARKERS)]
 
     def lines(self, frame: pd.DataFrame, by: str = "arm") -> Iterator[Line]:
         """One line per value of `by` (the arm) and combination of the marker keys, sorted along x."""
@@ -106,7 +117,7 @@ class Layout:
         names = list(dict.fromkeys(frame[by]))
         for name in names:
             # colour: the arm's, the same in every figure; grouped by something else, that group's
-            colour = self.colour(name) if by == "arm" else f"C{names.index(name) % 10}"
+            colour = self.colour(name) if by == "arm" else palette(names.index(name), len(names))
             for i, combo in enumerate(combos):
                 rows = frame[frame[by] == name]
                 for key, value in zip(self.marker_keys, combo):
@@ -116,7 +127,9 @@ class Layout:
                 if self.x_key is not None and pd.api.types.is_numeric_dtype(rows[self.x_key]):
                     rows = rows.sort_values(self.x_key)
                 label = ", ".join([str(name)] + [f"{k}={v}" for k, v in zip(self.marker_keys, combo)])
-                yield Line(label, colour, MARKERS[i % len(MARKERS)], rows)
+                marker = self.marker(name, i) if by == "arm" else MARKERS[(i if self.marker_keys else
+                                                                             names.index(name)) % len(MARKERS)]
+                yield Line(label, colour, marker, rows)
 
     def categories(self, frame: pd.DataFrame) -> list | None:
         """The x values in order of appearance when they are not numbers (e.g. prompt_kind), else None."""
@@ -184,8 +197,8 @@ def plot_series(ax: Axes, frame: pd.DataFrame, layout: Layout, series: list[Seri
                        edgecolor="black", linewidth=0.5)
                 continue
             linestyle = s.linestyle
-            if categories is None:
-                x = line.rows[layout.x_key].to_numpy()
+            if categories is None:    # each line a little aside too, so that error bars at one x stay apart
+                x = dodge(line.rows[layout.x_key].to_numpy(float), frame[layout.x_key], i, len(lines))
             else:   # unordered values: no lines between them, each line a little aside so CIs stay apart
                 x = np.array([categories.index(v) for v in line.rows[layout.x_key]]) + 0.3 * (
                     (i + 0.5) / len(lines) - 0.5)
@@ -193,7 +206,8 @@ def plot_series(ax: Axes, frame: pd.DataFrame, layout: Layout, series: list[Seri
             ax.errorbar(x, y, yerr=_yerr(line.rows, s), color=line.colour, marker=line.marker, linestyle=linestyle,
                         markerfacecolor=face, capsize=3, linewidth=1.4)
     if layout.x_key is None:
-        ax.set_xticks(range(len(lines)), [line.label for line in lines], rotation=20, ha="right")
+        ax.set_xticks(range(len(lines)), short_labels([line.label for line in lines]), rotation=25, ha="right",
+                      fontsize=8)
     else:
         layout.style_x(ax, frame)
     if len(series) > 1:                    # what the line styles (or bar shades) mean

@@ -33,17 +33,19 @@ def markdown(title: str, summary: pd.DataFrame, point_keys: list[str], notes: li
 
 def write_report(run_dir: Path, summary: pd.DataFrame, point_keys: list[str], title: str,
                  notes: list[str], runs: pd.DataFrame | None = None,
-                 declared: Declarations | None = None) -> tuple[Path, dict[str, Path]]:
+                 declared: Declarations | None = None, ttft_slo_ms: float | None = None,
+                 tpot_slo_ms: float | None = None) -> tuple[Path, dict[str, Path]]:
     """report.md and its PNG figures in the run folder; returns the report and the figures.
 
-    `runs` (one row per repeat) adds what the summary lacks (throughput CIs); `declared` says how to
-    show the plugins' stats and which figures they call for."""
+    `runs` (one row per round) adds what the summary lacks (CIs of throughput, latency, goodput);
+    `declared` says how to show the plugins' stats and which figures they call for; the SLOs
+    (experiment.ttft_slo_ms, tpot_slo_ms) set are drawn on the latency figure."""
     from ablate.report.ablation import section as ablation_section
     from ablate.report.plots import draw
     from ablate.results import write_atomic
 
     declared = declared or Declarations()
-    figures = draw(summary, point_keys, run_dir, runs, declared)
+    figures = draw(summary, point_keys, run_dir, runs, declared, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms)
     ablation_text, ablation_figures = ablation_section(run_dir, runs)   # "" and {} unless an ablation
     page = markdown(title, summary, point_keys, notes, figures, runs, declared)
     write_atomic(run_dir / "report.md", page + ablation_text)
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         point_keys = list(exp.get("grid") or {})
         notes = [f"regenerated from {run_dir}", json.dumps(json.loads((run_dir / 'done.json').read_text()))]
         report, _ = write_report(run_dir, res.summary, point_keys, exp.get("name", run_dir.parent.name), notes,
-                                 res.runs, Declarations.load(run_dir))
+                                 res.runs, Declarations.load(run_dir), ttft_slo_ms=exp.get("ttft_slo_ms"),
+                                 tpot_slo_ms=exp.get("tpot_slo_ms"))
         print(report)
 
 

@@ -50,7 +50,7 @@ def speedup_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations |
         return None
     fig, (ax,) = _figure()
     handles = plot_series(ax, arms, layout, [
-        Series("speedup", "measured (median, 95% CI)", "-", ("speedup_ci_low", "speedup_ci_high")),
+        Series("speedup", "measured (geometric mean, 95% CI)", "-", ("speedup_ci_low", "speedup_ci_high")),
         Series("predicted_speedup", "predicted (roofline)", ":", hollow=True)])
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     handles.append(Line2D([], [], color="black", linewidth=0.8, linestyle="--",
@@ -66,26 +66,40 @@ def throughput_figure(frame: pd.DataFrame, layout: Layout, declared: Declaration
         return None
     fig, (ax,) = _figure()
     handles = plot_series(ax, frame, layout, [Series(
-        "output_throughput_tok_s", "median, 95% CI", ci=("output_throughput_tok_s_ci_low",
-                                                         "output_throughput_tok_s_ci_high"))])
+        "output_throughput_tok_s", "median, 95% CI", ci=_ci("output_throughput_tok_s"))])
     ax.set_ylabel("output tokens / s")
-    ax.set_title("Output throughput (median over repeats, 95% CI)")
+    ax.set_title("Output throughput (median over rounds, 95% CI)")
     _legend(fig, handles)
     return fig
 
 
-def latency_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations | None = None) -> Figure | None:
-    panels = [(name, [Series(f"{key}_p50_ms", "p50", "-"), Series(f"{key}_p99_ms", "p99", "--", hollow=True)])
+def _ci(column: str) -> tuple[str, str]:
+    return f"{column}_ci_low", f"{column}_ci_high"
+
+
+def _slo_line(ax, slo_ms: float | None, what: str) -> list[Line2D]:
+    """The SLO as a horizontal line, and its legend entry; nothing when none is set."""
+    if slo_ms is None:
+        return []
+    ax.axhline(slo_ms, color="firebrick", linewidth=1.0, linestyle="-.")
+    return [Line2D([], [], color="firebrick", linewidth=1.0, linestyle="-.", label=f"{what} SLO {slo_ms:g} ms")]
+
+
+def latency_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations | None = None,
+                   slo: dict[str, float | None] | None = None) -> Figure | None:
+    """TTFT and TPOT p50 and p99 with their CIs over rounds; an SLO set (slo: ttft/tpot -> ms) is a line."""
+    panels = [(name, key, [Series(f"{key}_p50_ms", "p50", "-", _ci(f"{key}_p50_ms")),
+                           Series(f"{key}_p99_ms", "p99", "--", _ci(f"{key}_p99_ms"), hollow=True)])
               for name, key in (("TTFT", "ttft"), ("TPOT", "tpot")) if _has(frame, f"{key}_p50_ms")]
     if not panels:
         return None
     fig, axes = _figure(len(panels))
     handles = []
-    for ax, (name, series) in zip(axes, panels):
-        handles += plot_series(ax, frame, layout, series)
+    for ax, (name, key, series) in zip(axes, panels):
+        handles += plot_series(ax, frame, layout, series) + _slo_line(ax, (slo or {}).get(key), name)
         _log_if_wide(ax, frame, [s.column for s in series])
         ax.set_ylabel(f"{name} (ms)")
-        ax.set_title(f"{name} p50 and p99 (median over repeats)")
+        ax.set_title(f"{name} p50 and p99 (median over rounds, 95% CI)")
     _legend(fig, handles)
     return fig
 
@@ -104,34 +118,42 @@ def memory_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations | 
     return fig
 
 
+def _scatter(ax, frame: pd.DataFrame, layout: Layout, x: str, y: str, x_scale: float = 1.0) -> list[Line2D]:
+    """One point per row, colour and marker by arm (and further grid keys), named in the legend
+    rather than by labels beside the points (those collide where points lie close)."""
+    by_arm = Layout(None, [k for k in [layout.x_key, *layout.marker_keys] if k], layout.arms)
+    handles = []
+    for line in by_arm.lines(frame):
+        ax.scatter(line.rows[x] / x_scale, line.rows[y], color=line.colour, marker=line.marker, s=40)
+        handles.append(Line2D([], [], color=line.colour, marker=line.marker, linestyle="none", label=line.label))
+    ax.grid(alpha=0.3)
+    return handles
+
+
 def memory_vs_concurrency_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations | None = None) -> Figure | None:
     """KV bytes against the sequences held at once: the memory price of concurrency, and (when the
     arms' KV bytes per token differ, e.g. GQA/MQA/MLA) how many sequences each byte budget buys."""
     if not (_has(frame, "seqs_admitted_max") and _has(frame, "kv_reserved_peak_bytes")):
         return None
     per_token = _varies(frame, "kv_bytes_per_token")
-    if not (_varies(frame, "seqs_admitted_max") or per_token):
+    by_seqs = _varies(frame, "seqs_admitted_max")      # else a line of one x value: no panel
+    if not (by_seqs or per_token):
         return None
-    fig, axes = _figure(2 if per_token else 1)
-    # one line per arm through its grid points, in order of concurrency: the memory each sequence costs
-    by_seqs = Layout("seqs_admitted_max", [], layout.arms)
-    handles = plot_series(axes[0], frame, by_seqs, [Series("kv_reserved_peak_bytes", "KV reserved (peak)", "-"),
-                                                    Series("kv_used_peak_bytes", "KV used (peak)", "--", hollow=True)])
-    axes[0].set_ylabel("KV MiB")
-    _from_zero(axes[0])
-    axes[0].set_title("KV memory vs concurrency")
+    fig, axes = _figure(by_seqs + per_token)
+    handles = []
+    if by_seqs:   # one line per arm through its grid points, in order of concurrency: the memory a sequence costs
+        handles += plot_series(axes[0], frame, Layout("seqs_admitted_max", [], layout.arms), [
+            Series("kv_reserved_peak_bytes", "KV reserved (peak)", "-"),
+            Series("kv_used_peak_bytes", "KV used (peak)", "--", hollow=True)])
+        axes[0].set_ylabel("KV MiB")
+        _from_zero(axes[0])
+        axes[0].set_title("KV memory vs concurrency")
     if per_token:
-        ax = axes[1]
-        for line in by_seqs.lines(frame):
-            ax.scatter(line.rows["kv_bytes_per_token"] / 1024, line.rows["seqs_admitted_max"], color=line.colour,
-                       marker=line.marker, s=40)
-            for row in line.rows.itertuples():
-                ax.annotate(line.label, (row.kv_bytes_per_token / 1024, row.seqs_admitted_max), fontsize=7,
-                            xytext=(4, 4), textcoords="offset points")
+        ax = axes[-1]
+        handles += _scatter(ax, frame, layout, "kv_bytes_per_token", "seqs_admitted_max", 1024)
         ax.set_xlabel("KV KiB per token")
         ax.set_ylabel("sequences holding KV at once (peak)")
         ax.set_title("Sequences admitted vs KV bytes per token")
-        ax.grid(alpha=0.3)
     _legend(fig, handles)
     return fig
 
@@ -149,13 +171,17 @@ def kv_utilisation_figure(frame: pd.DataFrame, layout: Layout, declared: Declara
     return fig
 
 
-def goodput_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations | None = None) -> Figure | None:
+def goodput_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations | None = None,
+                   slo: dict[str, float | None] | None = None) -> Figure | None:
     if not _has(frame, "goodput_req_s"):
         return None
     fig, (ax,) = _figure()
-    handles = plot_series(ax, frame, layout, [Series("goodput_req_s", "goodput")])
+    handles = plot_series(ax, frame, layout, [Series("goodput_req_s", "goodput (median, 95% CI)",
+                                                     ci=_ci("goodput_req_s"))])
     ax.set_ylabel("requests / s meeting every SLO")
-    ax.set_title("Goodput")
+    _from_zero(ax)
+    slos = ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in (slo or {}).items() if v is not None)
+    ax.set_title(f"Goodput ({slos})" if slos else "Goodput")
     _legend(fig, handles)
     return fig
 
@@ -164,17 +190,11 @@ def kv_vs_perplexity_figure(frame: pd.DataFrame, layout: Layout, declared: Decla
     if not (_has(frame, "perplexity") and _has(frame, "kv_bytes_per_token")):
         return None
     fig, (ax,) = _figure()
-    by_arm = Layout(None, [k for k in [layout.x_key, *layout.marker_keys] if k], layout.arms)
-    for line in by_arm.lines(frame):
-        ax.scatter(line.rows["kv_bytes_per_token"] / 1024, line.rows["perplexity"], color=line.colour,
-                   marker=line.marker, s=40)
-        for row in line.rows.itertuples():
-            ax.annotate(line.label, (row.kv_bytes_per_token / 1024, row.perplexity), fontsize=7, xytext=(4, 4),
-                        textcoords="offset points")
+    handles = _scatter(ax, frame, layout, "kv_bytes_per_token", "perplexity", 1024)
     ax.set_xlabel("KV KiB per token")
     ax.set_ylabel("perplexity (held-out text)")
     ax.set_title("KV bytes per token vs perplexity")
-    ax.grid(alpha=0.3)
+    _legend(fig, handles)
     return fig
 
 
@@ -212,13 +232,17 @@ def plugin_figure(frame: pd.DataFrame, layout: Layout, declared: Declarations, s
     return fig
 
 
+SLO_FIGURES = ("latency", "goodput")     # these take the SLOs set: slo={"ttft": ms, "tpot": ms}
 FIGURES: dict[str, tuple[Callable[[pd.DataFrame, Layout, Declarations], Figure | None], str]] = {
     # name: (figure, the caption the report prints under it)
-    "speedup": (speedup_figure, "Speedup of each arm over the baseline: the median of the per-round ratios "
-                                "with its bootstrap 95% CI; dotted: the analytic roofline's prediction."),
-    "throughput": (throughput_figure, "Output tokens per second, median over repeats with a bootstrap 95% CI."),
+    "speedup": (speedup_figure, "Speedup of each arm over the baseline: the geometric mean of the per-round "
+                                "ratios with its 95% CI (t on the log scale); dotted: the analytic roofline's "
+                                "prediction."),
+    "throughput": (throughput_figure, "Output tokens per second, median over rounds; bars: 95% CI over rounds "
+                                      "(t on the log scale)."),
     "latency": (latency_figure, "Time to first token and time per output token: p50 (solid) and p99 (dashed) "
-                                "over requests, the median of each over repeats."),
+                                "over requests, the median of each over rounds with a 95% CI over rounds; "
+                                "dash-dotted: the SLO, where one is set."),
     "memory": (memory_figure, "Peak memory (device allocator, or tracked tensors on the CPU) and the KV cache's "
                               "peak reservation."),
     "memory_vs_concurrency": (memory_vs_concurrency_figure,
@@ -226,21 +250,26 @@ FIGURES: dict[str, tuple[Callable[[pd.DataFrame, Layout, Declarations], Figure |
                               "of different KV bytes per token, the sequences each admits."),
     "kv_utilisation": (kv_utilisation_figure, "KV utilisation (used / reserved, time-weighted), measured and, "
                                               "where the cache reports one, predicted (dotted)."),
-    "goodput": (goodput_figure, "Requests per second that met every SLO set."),
+    "goodput": (goodput_figure, "Requests per second that met every SLO set, median over rounds with a 95% CI."),
     "kv_vs_perplexity": (kv_vs_perplexity_figure, "KV bytes per token against held-out perplexity, per arm."),
 }
 
 
 def draw(summary: pd.DataFrame, point_keys: list[str], out_dir: Path, runs: pd.DataFrame | None = None,
-         declared: Declarations | None = None) -> dict[str, Path]:
-    """Write one PNG per figure the results can fill (the core's, then the plugins'); returns name -> path."""
+         declared: Declarations | None = None, ttft_slo_ms: float | None = None,
+         tpot_slo_ms: float | None = None) -> dict[str, Path]:
+    """Write one PNG per figure the results can fill (the core's, then the plugins'); returns name -> path.
+    SLOs set are drawn as lines on the latency figure and named on the goodput figure."""
     if summary.empty:
         return {}
     declared = declared or Declarations()
     out_dir.mkdir(parents=True, exist_ok=True)
     frame = with_run_columns(summary, runs, point_keys)
     layout = Layout.of(frame, point_keys)
-    made = [(name, lambda make=make: make(frame, layout, declared)) for name, (make, _) in FIGURES.items()]
+    slo = {"ttft": ttft_slo_ms, "tpot": tpot_slo_ms}
+    options = {name: {"slo": slo} for name in SLO_FIGURES}
+    made = [(name, lambda make=make, name=name: make(frame, layout, declared, **options.get(name, {})))
+            for name, (make, _) in FIGURES.items()]
     made += [(spec.name, lambda slot=slot, spec=spec: plugin_figure(frame, layout, declared, slot, spec))
              for slot, spec in declared.figures]
     written = {}
@@ -249,7 +278,7 @@ def draw(summary: pd.DataFrame, point_keys: list[str], out_dir: Path, runs: pd.D
         if fig is None:
             continue
         path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")    # long tick labels and the legend stay whole
         plt.close(fig)
         written[name] = path
     return written

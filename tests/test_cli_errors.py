@@ -1,0 +1,40 @@
+"""A config error is one line on stderr and exit status 2, not a traceback (unless asked for one)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def ablate(tmp_path: Path, *args: str, multirun: bool = False, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "ABLATE_DEBUG")} | env
+    return subprocess.run([sys.executable, "-m", "ablate", *["-m"] * multirun, "model=tiny", "model.init=random", *args,
+                           f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                           "hydra.output_subdir=null", f"results_dir={tmp_path / 'results'}", "wandb.mode=disabled"],
+                          cwd=tmp_path, env=environ | {"PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_config_error_is_one_line_and_exit_status_2(tmp_path):
+    result = ablate(tmp_path, "experiment.repeats=0")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == ["error: experiment.repeats must be >= 1, got 0"]
+    assert not (tmp_path / "results").exists()
+
+
+def test_debugging_keeps_the_traceback(tmp_path):
+    result = ablate(tmp_path, "experiment.repeats=0", ABLATE_DEBUG="1")
+    assert result.returncode != 0 and "ValueError" in result.stderr
+    assert "experiment.repeats must be >= 1" in result.stderr
+    assert not any(line.startswith("error:") for line in result.stderr.splitlines())
+
+
+def test_in_a_sweep_each_bad_job_says_which_it_is(tmp_path):
+    result = ablate(tmp_path, "experiment.repeats=0,-1", multirun=True)
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors == ["[job 0] error: experiment.repeats must be >= 1, got 0",
+                      "[job 1] error: experiment.repeats must be >= 1, got -1"], result.stderr
+    assert "Traceback" not in result.stderr

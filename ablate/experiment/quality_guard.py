@@ -28,8 +28,8 @@ DEGRADED = "degraded"
 @dataclass
 class QualityConfig:
     enabled: bool = True              # false: no guardrail (quality columns empty, nothing flagged)
-    heldout_tokens: int = 96          # tokens of held-out text scored through every arm's runner ...
-    context_tokens: int = 32          # ... after this many as one prompt step (they are not scored)
+    heldout_tokens: int = 48          # tokens of held-out text scored through every arm's runner ...
+    context_tokens: int = 16          # ... after this many as one prompt step (they are not scored)
     max_ppl_ratio: float = 1.05       # above: the arm lost quality (5% more perplexity than the baseline)
     min_token_agreement: float = 0.5  # below: the arm's greedy text left the baseline's early
 

@@ -57,6 +57,8 @@ def main() -> None:
     from hydra.types import RunMode
 
     from ablate.experiment.job import run_job
+    from ablate.experiment.sweep_callbacks import FAILED_JOBS, write_job_status
+    from ablate.report.console import job_prefix
 
     registry = default_registry()
     register_configs(registry)
@@ -65,15 +67,28 @@ def main() -> None:
     def job(cfg: DictConfig) -> None:
         raw = OmegaConf.to_container(cfg, resolve=True)
         sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
+        job_dir = HydraConfig.get().runtime.output_dir
         if not _debugging() and (message := config_error(raw, registry)) is not None:
-            from ablate.report.console import job_prefix
             print(f"{job_prefix()}error: {message}", file=sys.stderr, flush=True)
             if sweeping:        # a sweep goes on with its other jobs
+                write_job_status(job_dir, "config error", message)
                 return
             sys.exit(2)         # SystemExit passes through Hydra's handler: no traceback
-        run_job(raw, registry, swallow_errors=sweeping, job_dir=HydraConfig.get().runtime.output_dir)
+        if not sweeping:
+            run_job(raw, registry, job_dir=job_dir)
+            return
+        try:
+            folder = run_job(raw, registry, swallow_errors=True, job_dir=job_dir)
+        except Exception as err:     # before the run folder existed (e.g. another process holds it)
+            print(f"{job_prefix()}job failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            write_job_status(job_dir, "failed", f"{type(err).__name__}: {err}")
+            return
+        write_job_status(job_dir, "done" if folder is not None else "failed",
+                         "" if folder is not None else f"see {job_dir}/results/failed.json")
 
     job()
+    if FAILED_JOBS:           # a sweep with failed jobs: the summary was printed by SweepOutcome
+        sys.exit(1)
 
 
 if __name__ == "__main__":

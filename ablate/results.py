@@ -8,6 +8,8 @@ ever overwritten silently (a redo moves the old folder aside).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -86,6 +88,10 @@ def _git(*args: str) -> str | None:
         return None
 
 
+class RunLocked(RuntimeError):
+    """Another process is measuring the same config into the same folder."""
+
+
 @dataclass
 class RunFolder:
     path: Path
@@ -116,6 +122,29 @@ class RunFolder:
             except (OSError, ValueError, pd.errors.ParserError):
                 frames.append(pd.DataFrame())
         return frames[0], frames[1]
+
+    @contextlib.contextmanager
+    def lock(self):
+        """Held while a process measures this config: a second process running the same config at
+        the same time is refused (both would measure on a shared machine and the last writer would
+        win). The lock is the kernel's (flock), so a killed process never leaves it behind."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.parent / f".{self.path.name}.lock", "a+") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                raise RunLocked(f"{holder} is measuring this config right now ({self.path}): wait for it to "
+                                "finish (this run is then skipped as finished) or give another results_dir") from None
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"process {os.getpid()} on {platform.node()}")
+            handle.flush()
+            try:
+                yield self
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def set_aside(self, why: str) -> Path:
         """Move this folder to <id>.old-<time> (nothing measured is deleted); returns where."""

@@ -143,7 +143,13 @@ def lost_quality(runs: pd.DataFrame) -> dict[str, str]:
     if "status" not in runs:
         return {}
     rows = runs[runs["status"] == "degraded"]
-    return {arm: str(frame["status_detail"].iloc[0]) for arm, frame in rows.groupby("arm", sort=False)}
+    out = {}
+    for arm, frame in rows.groupby("arm", sort=False):
+        ppl = frame["ppl_ratio"].dropna() if "ppl_ratio" in frame else pd.Series(dtype=float)
+        agree = frame["token_agreement"].dropna() if "token_agreement" in frame else pd.Series(dtype=float)
+        cost = [f"perplexity x{ppl.iloc[0]:.4g}"] * bool(len(ppl)) + [f"agreement {agree.median():.0%}"] * bool(len(agree))
+        out[arm] = f"degraded ({', '.join(cost) or 'lost quality'})"
+    return out
 
 
 def _arm_name(by_set: dict[frozenset[str], Any], cfg: AblationConfig, techniques: frozenset[str]) -> str:

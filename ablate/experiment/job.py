@@ -61,6 +61,12 @@ def _job(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swallow_
     device = dev.resolve(cfg.device)
     measured = {k: v for k, v in raw.items() if k not in NOT_MEASURED}
     folder = RunFolder.for_config(Path(cfg.results_dir), cfg.experiment.name, measured)
+    with folder.lock():
+        return _measure(cfg, raw, plan, registry, swallow_errors, job_dir, say, device, folder)
+
+
+def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swallow_errors: bool,
+             job_dir: str | None, say, device: torch.device, folder: RunFolder) -> RunFolder | None:
     code = code_version()
     if folder.is_done and not cfg.redo:
         say(f"already finished, skipped (redo=true runs it again): {folder.path}")

@@ -1,5 +1,8 @@
 """Hydra callbacks for sweeps (registered in conf/config.yaml under hydra.callbacks).
 
+SweepOutcome: which jobs of a sweep failed, listed at its end; `python -m ablate -m` then exits
+with status 1 (a sweep whose every job finished exits 0).
+
 MeasurePeaksOnce: peak bandwidth and FLOP/s measured while other jobs of a parallel sweep run are
 wrong (they share the memory bus), so the launcher process measures them, or checks the cache,
 once for every (device, dtype, threads) the sweep's jobs will use, before any job starts, then
@@ -9,7 +12,9 @@ run jobs on other machines (submitit's Slurm) are left alone: each job measures 
 """
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,3 +120,32 @@ class MeasurePeaksOnce(Callback):
             os.environ.pop(hardware.FROZEN_ENV, None)
         else:
             os.environ[hardware.FROZEN_ENV] = self._before
+
+
+JOB_STATUS_FILE = "ablate_job.json"     # in each job's Hydra output folder: {"status": ..., "error": ...}
+FAILED_JOBS: list[str] = []             # the last sweep's failed jobs, for the CLI's exit status
+
+
+def write_job_status(job_dir: str, status: str, error: str = "") -> None:
+    """What became of one job (done | failed | config error), read by SweepOutcome at the sweep's end."""
+    from ablate.results import write_atomic
+    write_atomic(Path(job_dir) / JOB_STATUS_FILE, json.dumps({"status": status, "error": error}))
+
+
+class SweepOutcome(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Every job's status file under the sweep folder; the failed ones printed, one line each."""
+        FAILED_JOBS.clear()
+        sweep_dir = Path(str(OmegaConf.select(config, "hydra.sweep.dir", default=".")))
+        statuses = {}
+        for file in sorted(sweep_dir.glob(f"*/{JOB_STATUS_FILE}")):
+            try:
+                statuses[file.parent.name] = json.loads(file.read_text())
+            except (OSError, ValueError):
+                statuses[file.parent.name] = {"status": "failed", "error": f"unreadable {file}"}
+        FAILED_JOBS.extend(f"[job {name}] {s['status']}: {s.get('error', '')}"
+                           for name, s in statuses.items() if s.get("status") != "done")
+        if FAILED_JOBS:
+            print(f"\nsweep: {len(FAILED_JOBS)} of {len(statuses)} jobs did not finish:", *FAILED_JOBS, sep="\n  ")
+        elif statuses:
+            print(f"\nsweep: all {len(statuses)} jobs finished")

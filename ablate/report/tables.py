@@ -67,8 +67,13 @@ def _column(frame: pd.DataFrame, name: str) -> pd.Series:
 
 def speedup_text(row: pd.Series, short: bool = False) -> str:
     """'1.87x [1.80, 1.95]'; with no interval (under 3 rounds) '1.87x [n/a: <why>]', or with `short`
-    '1.87x [n/a]'; no speedup: '-' for an ok arm, its status for a failed one ('n/a' with `short`)."""
+    '1.87x [n/a]'; no speedup: '-' for an ok arm, its status for a failed one ('n/a' with `short`),
+    and for a degraded arm (it lost quality) its time ratio marked as such."""
     if pd.isna(row.get("speedup")):
+        ratio = row.get("time_ratio")
+        if row.get("status") == "degraded" and not _missing(ratio) and not pd.isna(ratio):
+            # its time, read with what it cost (the quality columns), never as a speedup of the same output
+            return f"DEGRADED ({ratio:.2f}x time)" if short else f"DEGRADED: {ratio:.2f}x time, not a speedup"
         if short:
             return "n/a"
         return "-" if row.get("status", "ok") == "ok" else str(row["status"]).upper()

@@ -11,7 +11,7 @@ import sys
 
 from omegaconf import DictConfig, OmegaConf
 
-from ablate.engine.registry import conf_dir, default_registry, register_configs
+from ablate.engine.registry import conf_dir, default_registry, register_configs, unknown_option
 
 
 def list_plugins() -> None:
@@ -62,6 +62,9 @@ def main() -> None:
 
     registry = default_registry()
     register_configs(registry)
+    if not _debugging() and (message := unknown_option(registry, sys.argv[1:])) is not None:
+        print(f"error: {message}", file=sys.stderr, flush=True)   # before Hydra's own, less helpful message
+        sys.exit(2)
 
     @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
     def job(cfg: DictConfig) -> None:

@@ -38,3 +38,12 @@ def test_in_a_sweep_each_bad_job_says_which_it_is(tmp_path):
     assert errors == ["[job 0] error: experiment.repeats must be >= 1, got 0",
                       "[job 1] error: experiment.repeats must be >= 1, got -1"], result.stderr
     assert "Traceback" not in result.stderr
+    assert result.returncode == 1 and "sweep: 2 of 2 jobs did not finish" in result.stdout     # the sweep says so
+
+
+def test_an_unknown_plugin_option_lists_the_plugins_options(tmp_path):
+    result = ablate(tmp_path, "kv_cache=paged", "kv_cache.blok_size=4")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: kv_cache=paged has no option blok_size; its options are: block_size, budget_bytes, "
+        "budget_fraction, prefix_caching"]

@@ -2,6 +2,7 @@
 the plugins built before them."""
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,12 +24,12 @@ class EngineConfig:
     max_seq_len: int = 0                  # longest prompt + output; 0 -> taken from the workload
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"engine.max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"engine.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_seq_len < 0:
-            raise ValueError(f"engine.max_seq_len must be >= 0, got {self.max_seq_len}")
+        for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_seq_len", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"engine.{name} must be a whole number >= {low}, got {value!r}")
+            if value < low:
+                raise ValueError(f"engine.{name} must be >= {low}, got {value}")
 
 
 class NotBuiltYet(AttributeError):

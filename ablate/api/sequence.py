@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -20,12 +25,13 @@ class SamplingParams:
     seed: int | None = None      # per-request generator seed: the same seed gives the same tokens
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not (_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
+        if not (_real(self.top_p) and 0 < self.top_p <= 1):     # NaN fails the comparison too
+            raise ValueError(f"top_p must be a number in (0, 1] (1: off), got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+                                      or self.seed < 0):
+            raise ValueError(f"seed must be a whole number >= 0, got {self.seed!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -119,7 +119,8 @@ def unpermute_rotary_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def gguf_state_dict(gf: GGUFFile, cfg: ModelConfig, max_workers: int | None = None) -> dict[str, torch.Tensor]:
     """All tensors of a Llama GGUF, dequantised to fp32, named and laid out as in Hugging Face's Llama.
 
-    Checks every tensor's presence and shape against `cfg` first, naming the GGUF tensor on error.
+    Checks every tensor's presence and shape against `cfg` first, naming the GGUF tensor on error,
+    and that every value is finite (NaN or inf is a GGUFError naming the file and the tensor).
     Tensors dequantise in a thread pool: torch and numpy release the GIL in the element-wise work.
     """
     shapes = expected_shapes(cfg)
@@ -130,6 +131,9 @@ def gguf_state_dict(gf: GGUFFile, cfg: ModelConfig, max_workers: int | None = No
 
     def convert(name: str) -> tuple[str, torch.Tensor]:
         w = gf.dequantize(name)                                   # fp32, numpy/torch shape
+        if not bool(torch.isfinite(w).all()):      # the model would run and print garbage
+            raise GGUFError(f"{gf.path}: tensor {name!r} holds {int((~torch.isfinite(w)).sum())} NaN or infinite "
+                            f"value(s) of {w.numel()}: the checkpoint is corrupt")
         if ".attn_q." in name:
             w = unpermute_rotary_rows(w, cfg.n_heads)
         elif ".attn_k." in name:

@@ -8,6 +8,7 @@ and Llama 3.1+ may declare "llama3" RoPE scaling (applied, see `RotaryEmbedding`
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -25,16 +26,48 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be read or does not match the model it declares."""
 
 
+# config.json keys the model's shape cannot do without (the others have defaults)
+REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file, or a CheckpointError naming it and what is wrong with it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: cannot be read: {err}") from None
+    if not text.strip():
+        raise CheckpointError(f"{path}: the file is empty (expected a JSON object)")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
+
+
 def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{directory}: no config.json (expected a Hugging Face checkpoint directory)")
-    with open(path) as f:
-        config = json.load(f)
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(f"{directory}: model_type {model_type!r} is not supported; "
                               f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    missing = [key for key in REQUIRED_KEYS if config.get(key) is None]
+    if missing:
+        raise CheckpointError(f"{path}: missing {', '.join(missing)} (a Hugging Face model config.json "
+                              f"declares {', '.join(REQUIRED_KEYS)})")
+    for key in (*REQUIRED_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise CheckpointError(f"{path}: {key} must be a whole number > 0, got {value!r}")
+    for key in ("rope_theta", "rms_norm_eps"):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise CheckpointError(f"{path}: {key} must be a finite number > 0, got {value!r}")
     return config
 
 
@@ -101,8 +134,10 @@ def safetensors_files(directory: str | os.PathLike) -> tuple[list[Path], dict[st
     directory = Path(directory)
     index_path = directory / INDEX_FILE
     if index_path.is_file():
-        with open(index_path) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        index = read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: no weight_map (tensor name -> shard file) in it")
         return [directory / name for name in sorted(set(weight_map.values()))], weight_map
     files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -125,9 +160,20 @@ def hf_state_dict(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
             shard = load_file(path)
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors file: {e}") from e
+        check_finite(shard, path)
         weights.update(shard)
         origin.update(dict.fromkeys(shard, path))
     for name, file in weight_map.items():
         if name not in weights:
             raise CheckpointError(f"{Path(directory) / file}: missing tensor {name!r} (listed in {INDEX_FILE})")
     return weights, origin
+
+
+def check_finite(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """A CheckpointError naming the file and the tensor when a floating-point tensor holds NaN or
+    infinite values: the model would run and print garbage."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointError(f"{path}: tensor {name!r} holds {bad} NaN or infinite value(s) of "
+                                  f"{tensor.numel()}: the checkpoint is corrupt (or was saved after training diverged)")

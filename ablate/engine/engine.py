@@ -12,6 +12,8 @@ import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
+import torch
+
 from ablate.api.context import EngineConfig
 from ablate.api.plugin import PluginError, blame
 from ablate.api.sequence import Request, Sequence, Status
@@ -22,6 +24,10 @@ from ablate.measure import device as dev
 from ablate.measure.recorder import StepHook
 
 MAX_IDLE_WAIT_S = 3600.0    # an arrival further away than this is a malformed workload, not a wait
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model's first step gave NaN or infinite logits: every token after it would be garbage."""
 
 
 class Engine:
@@ -35,6 +41,7 @@ class Engine:
         self.hooks = list(hooks)
         self.device = runner.device
         self.seqs: dict[int, Sequence] = {}     # every sequence of the current run, by id
+        self._logits_checked = False            # the first step's logits are checked once for NaN/inf
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self, batch: Batch) -> dict[int, list[int]]:
@@ -43,9 +50,16 @@ class Engine:
         start = dev.now(self.device)
         for hook in self.hooks:
             hook.on_step_start(batch, start)
-        with blame(self.decoding, "step"):
-            emitted = self.decoding.step(self.runner, batch)
+        captured = self._capture_logits() if not self._logits_checked else None
+        try:
+            with blame(self.decoding, "step"):
+                emitted = self.decoding.step(self.runner, batch)
+        finally:
+            if captured is not None:
+                self._restore_forward(captured)
         end = dev.now(self.device)
+        if captured and captured[1:]:
+            self._check_logits(captured[1])
         kept = self.commit(batch, emitted)
         for hook in self.hooks:
             hook.on_step_end(batch, kept, end)
@@ -56,6 +70,40 @@ class Engine:
                 for hook in self.hooks:
                     hook.on_finish(seq, end)
         return kept
+
+    def _capture_logits(self) -> list:
+        """Wrap the runner's forward for one step: [the forward it had, the first non-empty logits].
+        They are checked after the step's end time is taken: the check costs the measurement nothing."""
+        captured: list = [self.runner.__dict__.get("forward")]
+        forward = self.runner.forward
+
+        def capturing(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            logits = getattr(out, "logits", None)
+            if len(captured) == 1 and isinstance(logits, torch.Tensor) and logits.numel():
+                captured.append(logits)
+            return out
+
+        self.runner.forward = capturing
+        return captured
+
+    def _restore_forward(self, captured: list) -> None:
+        if captured[0] is None:
+            del self.runner.forward           # the class's own method again
+        else:
+            self.runner.forward = captured[0]
+
+    def _check_logits(self, logits) -> None:
+        self._logits_checked = True
+        if bool(logits.isfinite().all()):
+            return
+        cfg = getattr(self.runner.model, "config", None)
+        name = getattr(cfg, "name", type(self.runner.model).__name__)
+        source = f" from {cfg.path}" if getattr(cfg, "path", None) else ""
+        raise NonFiniteLogits(
+            f"model {name!r}{source} ({getattr(cfg, 'dtype', '?')}) gave non-finite logits (NaN or inf) in its "
+            "first step: its weights hold NaN/inf, its dtype overflows (fp16: try model.dtype=bf16 or fp32), "
+            "or the arm's attention or kv_cache plugin wrote garbage; every token generated would be meaningless")
 
     def checked(self, batch: Batch) -> Batch:
         """The scheduler's batch, checked, with the draft room the cache holds beyond its new tokens
@@ -128,10 +176,7 @@ class Engine:
         lost a request, stalled, or kept room after the run.
         """
         pending = sorted(requests, key=lambda r: r.arrival_time)
-        if pending and pending[-1].arrival_time > MAX_IDLE_WAIT_S:
-            raise ValueError(f"request {pending[-1].request_id} arrives {pending[-1].arrival_time:.0f} s after the "
-                             f"start (more than {MAX_IDLE_WAIT_S:.0f} s): are its arrival times absolute (Unix "
-                             "time)? They are seconds after the workload starts")
+        self._check_gaps(pending)
         self.seqs = {}
         t0 = dev.now(self.device)
         steps_without_output, patience = 0, self._patience(requests)
@@ -153,11 +198,28 @@ class Engine:
                     raise PluginError(self.scheduler, "next_batch", f"{patience} steps in a row emitted no token: "
                                       "sequences are preempted or fed forever without progress")
             elif pending:     # idle until the next request arrives
-                time.sleep(max(0.0, pending[0].arrival_time - (time.perf_counter() - t0)))
+                wait = pending[0].arrival_time - (time.perf_counter() - t0)
+                if wait > MAX_IDLE_WAIT_S:    # _check_gaps rules it out; never sleep for hours regardless
+                    raise RuntimeError(f"the engine would wait {wait:.0f} s for request {pending[0].request_id}, "
+                                       f"more than MAX_IDLE_WAIT_S={MAX_IDLE_WAIT_S:.0f} s")
+                time.sleep(max(0.0, wait))
             else:
                 raise self._stalled([s for s in self.seqs.values() if not s.is_finished])
         self._check_after_run()
         return sorted(self.seqs.values(), key=lambda s: s.seq_id)
+
+    @staticmethod
+    def _check_gaps(pending: list[Request]) -> None:
+        """No wait for an arrival may exceed MAX_IDLE_WAIT_S: refuse such a workload before it starts."""
+        previous = 0.0
+        for request in pending:
+            if request.arrival_time - previous > MAX_IDLE_WAIT_S:
+                raise ValueError(
+                    f"request {request.request_id} arrives at {request.arrival_time:.0f} s, "
+                    f"{request.arrival_time - previous:.0f} s after the one before (more than {MAX_IDLE_WAIT_S:.0f} s "
+                    "of idling): arrival times are seconds after the workload starts, not Unix times; check "
+                    "workload.rate, workload.textbook_arrival_s or the trace")
+            previous = request.arrival_time
 
     @staticmethod
     def _patience(requests: Seq[Request]) -> int:

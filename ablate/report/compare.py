@@ -12,6 +12,8 @@ not show up as a change of speedup.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,12 +21,67 @@ import pandas as pd
 
 from ablate.analysis.stats import Interval, log_ratio_interval
 from ablate.report.declared import Declarations
-from ablate.results import Results, load
+from ablate.results import TABLES, Results, load
 
 METRICS = ("speedup", "duration_s", "output_throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
            "tpot_p99_ms", "peak_memory_bytes", "kv_reserved_peak_bytes")
 NOT_COMPARED = ("results_dir", "wandb", "redo")      # config keys that say where, not what, was measured
 ENVIRONMENT = ("device", "device_name", "git_commit", "python", "platform", "versions")
+
+
+class RunUnreadable(ValueError):
+    """A run folder that cannot be read or holds no runs: the message names the folder (or the file)."""
+
+
+def load_readable(path: str | Path) -> Results:
+    """ablate.results.load, with one message naming the file when one is truncated or corrupt."""
+    path = Path(path)
+    if not path.is_dir():
+        raise RunUnreadable(f"{path}: no such run folder (run folders live in results/<experiment>/<run-id>/)")
+    try:
+        return load(path)
+    except FileNotFoundError as err:
+        raise RunUnreadable(f"{err.filename}: missing; the run folder is incomplete" if err.filename
+                            else str(err)) from None
+    except (OSError, ValueError, pd.errors.ParserError) as err:
+        for name in ("config.json", "environment.json"):
+            try:
+                json.loads((path / name).read_text())
+            except (OSError, ValueError):
+                raise RunUnreadable(f"{path / name}: missing, truncated or not valid JSON ({err}); the run "
+                                    "folder is corrupt: re-run its config with redo=true") from None
+        bad = next((path / f"{name}.csv" for name in TABLES if _unreadable_csv(path / f"{name}.csv")), path)
+        raise RunUnreadable(f"{bad}: truncated or unreadable ({type(err).__name__}: {err}); re-run its config "
+                            "with redo=true") from None
+
+
+def _unreadable_csv(file: Path) -> bool:
+    try:
+        if file.exists() and file.stat().st_size > 1:
+            pd.read_csv(file)
+    except (OSError, ValueError, pd.errors.ParserError):
+        return True
+    return False
+
+
+def why_no_runs(path: Path) -> str:
+    """Why a run folder holds no runs: it failed (failed.json's error), never finished, or runs.csv is gone."""
+    try:
+        failed = json.loads((path / "failed.json").read_text())
+        return f"the run failed ({failed.get('status', 'failed')}: {failed.get('error')})"
+    except (OSError, ValueError, AttributeError):
+        pass
+    if not (path / "done.json").exists():
+        return "the run never finished (no done.json): it is still running, or it was stopped"
+    return "runs.csv is missing, empty or has no 'arm' column"
+
+
+def load_runs(path: str | Path) -> Results:
+    """A run folder with its per-round runs, or a RunUnreadable naming the folder and why not."""
+    res = load_readable(path)
+    if res.runs.empty or not {"arm", "repeat", "duration_s"} <= set(res.runs.columns):
+        raise RunUnreadable(f"{path}: no runs to compare: {why_no_runs(Path(path))}")
+    return res
 
 
 def verdict(interval: Interval) -> str:
@@ -76,7 +133,7 @@ def with_round_speedups(res: Results, point_keys: list[str]) -> pd.DataFrame:
 
 def compare(path_a: str, path_b: str) -> pd.DataFrame:
     """One row per grid point x arm x metric: A and B geometric means, B / A with its CI, the verdict."""
-    a, b = load(path_a), load(path_b)
+    a, b = load_runs(path_a), load_runs(path_b)
     grids = [list((r.config.get("experiment") or {}).get("grid") or {}) for r in (a, b)]
     point_keys = list(dict.fromkeys(grids[0] + grids[1]))
     runs_a, runs_b = with_round_speedups(a, point_keys), with_round_speedups(b, point_keys)
@@ -113,7 +170,7 @@ def _geometric_mean(values: np.ndarray) -> float:
 
 def header(path_a: str, path_b: str) -> list[str]:
     """Which runs, and what differs between them: the measured config, then the environment."""
-    a, b = load(path_a), load(path_b)
+    a, b = load_readable(path_a), load_readable(path_b)
     lines = [f"A: {path_a}", f"B: {path_b}", ""]
     config = differences({k: v for k, v in a.config.items() if k not in NOT_COMPARED},
                          {k: v for k, v in b.config.items() if k not in NOT_COMPARED})
@@ -138,7 +195,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("run_a", help="a run folder (results/<experiment>/<run-id>)")
     parser.add_argument("run_b", help="another run folder, compared against the first (ratios are B / A)")
     args = parser.parse_args(argv)
-    table = compare(args.run_a, args.run_b)
+    try:
+        table = compare(args.run_a, args.run_b)
+    except RunUnreadable as err:
+        raise SystemExit(f"error: {err}") from None
     if table.empty:
         raise SystemExit("the two runs share no grid point and arm")
     print("\n".join(header(args.run_a, args.run_b)) + "\n")

@@ -55,9 +55,9 @@ def write_report(run_dir: Path, summary: pd.DataFrame, point_keys: list[str], ti
 def main(argv: list[str] | None = None) -> None:
     """python -m ablate.report <results path>: (re)write report.md and figures of each run below it."""
     import argparse
-    import json
 
-    from ablate.results import load, runs_under
+    from ablate.report.compare import RunUnreadable, load_readable
+    from ablate.results import runs_under
 
     parser = argparse.ArgumentParser(prog="python -m ablate.report", description=main.__doc__)
     parser.add_argument("path", help="a run folder, or a folder holding run folders (e.g. results/)")
@@ -65,17 +65,30 @@ def main(argv: list[str] | None = None) -> None:
     runs = runs_under(args.path)
     if not runs:
         raise SystemExit(f"no finished runs under {args.path} (a run folder holds done.json)")
+    errors = []
     for run_dir in runs:
-        res = load(run_dir)
-        if res.summary.empty:   # a table job (cost calculator, micro-benchmark) writes its own report
-            print(f"{run_dir}: no summary.csv (not an experiment run), its report.md is left as it is")
+        try:
+            res = load_readable(run_dir)
+        except RunUnreadable as err:
+            errors.append(str(err))
+            print(f"error: {err}")
+            continue
+        if res.summary.empty:
+            summary = run_dir / "summary.csv"
+            if summary.exists() or not res.runs.empty:   # an experiment run whose summary.csv was cut short
+                errors.append(f"{summary}: truncated or empty ({summary.stat().st_size if summary.exists() else 0} "
+                              "bytes, no rows), although the run finished: re-run its config with redo=true")
+                print(f"error: {errors[-1]}")
+            else:   # a table job (cost calculator, micro-benchmark) writes its own report
+                print(f"{run_dir}: no summary.csv (not an experiment run), its report.md is left as it is")
             continue
         exp = res.config.get("experiment", {})
         point_keys = list(exp.get("grid") or {})
-        notes = [f"regenerated from {run_dir}", json.dumps(json.loads((run_dir / 'done.json').read_text()))]
+        notes = [f"regenerated from {run_dir}", (run_dir / "done.json").read_text().strip()]
         report, _ = write_report(run_dir, res.summary, point_keys, exp.get("name", run_dir.parent.name), notes,
                                  res.runs, Declarations.load(run_dir), ttft_slo_ms=exp.get("ttft_slo_ms"),
                                  tpot_slo_ms=exp.get("tpot_slo_ms"))
         print(report)
-
-
+    if errors:
+        raise SystemExit(f"{len(errors)} of {len(runs)} runs could not be reported: {errors[0]}"
+                         + (" (and more above)" if len(errors) > 1 else ""))

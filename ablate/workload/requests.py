@@ -1,6 +1,8 @@
 """Workloads: which requests arrive when, with how long a prompt and how many tokens to generate."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,6 +21,39 @@ ARRIVALS = ("burst", "poisson", "gamma", "trace", "textbook")
 TEXTBOOK_OUTPUT_LENS = (500, 450, 100)
 PROMPT_SOURCES = ("random", "text")
 PROMPT_KINDS = ("open", "quote")
+MAX_SEED = 2**32 - 1
+# int fields -> their minimum
+INT_MINIMUMS = {"num_requests": 1, "prompt_len": 1, "prompt_spread": 0, "output_len": 1, "output_spread": 0,
+                "output_len_max": 0, "seed": 0}
+# float fields -> (lowest, highest, lowest allowed?, what the number means)
+FLOAT_RANGES = {
+    "output_sigma": (0.0, None, True, "sigma of log(output length)"),
+    "rate": (0.0, None, False, "requests per second"),
+    "burstiness": (0.0, None, False, "1: Poisson, > 1 burstier"),
+    "temperature": (0.0, None, True, "0: greedy"),
+    "top_p": (0.0, 1.0, False, "nucleus mass, 1: off"),
+    "textbook_arrival_s": (0.0, None, True, "seconds after the start"),
+}
+
+
+def whole_number(where: str, value: object, low: int) -> None:
+    """A ValueError naming `where` unless value is an int >= low (bool is not a number here)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{where} must be a whole number >= {low}, got {value!r}")
+    if value < low:
+        raise ValueError(f"{where} must be >= {low}, got {value}")
+
+
+def finite_number(where: str, value: object, low: float, high: float | None = None, *, inclusive: bool = True,
+                  unit: str = "") -> None:
+    """A ValueError naming `where` unless value is a finite number in [low, high] ((low, high] when
+    not inclusive): `workload.rate must be a finite number > 0 (requests per second), got nan`."""
+    wanted = f"{'>=' if inclusive else '>'} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+          and (value >= low if inclusive else value > low) and (high is None or value <= high))
+    if not ok:
+        raise ValueError(f"{where} must be a finite number {wanted}" + (f" ({unit})" if unit else "")
+                         + f", got {value!r}")
 
 
 @dataclass
@@ -46,12 +81,12 @@ class WorkloadConfig:
     prompt_kind: str = "open"      # text prompts: open (a passage to continue) | quote (asks to repeat a passage)
 
     def __post_init__(self) -> None:
-        for name in ("num_requests", "prompt_len", "output_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"workload.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("prompt_spread", "output_spread", "output_len_max"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"workload.{name} must be >= 0, got {getattr(self, name)}")
+        for name, low in INT_MINIMUMS.items():
+            whole_number(f"workload.{name}", getattr(self, name), low)
+        if self.seed > MAX_SEED:
+            raise ValueError(f"workload.seed must be <= {MAX_SEED}, got {self.seed}")
+        for name, (low, high, inclusive, unit) in FLOAT_RANGES.items():
+            finite_number(f"workload.{name}", getattr(self, name), low, high, inclusive=inclusive, unit=unit)
         if self.prompt_dist not in ("fixed", "uniform"):
             raise ValueError(f"workload.prompt_dist must be fixed or uniform, got {self.prompt_dist!r}")
         if self.output_dist not in LENGTH_DISTS:
@@ -62,18 +97,10 @@ class WorkloadConfig:
             raise ValueError("workload.arrival=trace needs workload.trace_path (a JSONL file)")
         if self.trace_path and self.arrival != "trace":
             raise ValueError(f"workload.trace_path is only read with workload.arrival=trace, not {self.arrival!r}")
-        if self.textbook_arrival_s < 0:
-            raise ValueError(f"workload.textbook_arrival_s must be >= 0, got {self.textbook_arrival_s}")
-        if self.rate <= 0 or self.burstiness <= 0:
-            raise ValueError("workload.rate and workload.burstiness must be > 0")
         if self.prompt_spread >= self.prompt_len and self.prompt_dist == "uniform":
             raise ValueError("workload.prompt_spread must be smaller than workload.prompt_len")
         if self.output_spread >= self.output_len and self.output_dist == "uniform":
             raise ValueError("workload.output_spread must be smaller than workload.output_len")
-        if self.temperature < 0:
-            raise ValueError(f"workload.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"workload.top_p must be in (0, 1], got {self.top_p}")
         if self.source not in PROMPT_SOURCES:
             raise ValueError(f"workload.source must be one of {PROMPT_SOURCES}, got {self.source!r}")
         if self.prompt_kind not in PROMPT_KINDS:

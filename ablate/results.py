@@ -14,10 +14,12 @@ import hashlib
 import json
 import os
 import platform
+import secrets
 import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
@@ -52,6 +54,18 @@ def write_atomic(path: Path, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_file_atomic(path: Path, write: Callable[[str], object]) -> None:
+    """`write(temporary path)` beside `path`, then rename: a reader never sees half a file. The writer
+    creates the file itself, so it gets an ordinary file's mode (0666 less the umask)."""
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}{path.suffix}")
+    try:
+        write(str(tmp))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def code_version() -> str:

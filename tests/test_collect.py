@@ -32,7 +32,7 @@ def sweep_root(tmp_path_factory, compose_config, registry) -> Path:
                              "workload.output_len=3", f"workload.num_requests={num_requests}")
         run_job(raw, registry)
     root = tmp / "results" / "ch08_kv_cache"
-    done = sorted(root.iterdir())
+    done = sorted(p for p in root.iterdir() if p.is_dir())      # not the run folders' lock files
     failed = root / "fa11ed000000"
     shutil.copytree(done[0], failed)
     for name in ("done.json", "runs.csv", "summary.csv", "requests.csv"):

@@ -20,6 +20,7 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from ablate.analysis.contributions import METRICS, contributions  # noqa: E402
 from ablate.experiment.ablation import ARMS_TABLE, AblationConfig, parse_ablation  # noqa: E402
+from ablate.results import write_file_atomic  # noqa: E402
 
 CONTRIBUTIONS_TABLE = "ablation"      # contributions(): technique x metric x kind
 FIGURE = "ablation"
@@ -229,7 +230,7 @@ def plot_contributions(table: pd.DataFrame, cfg: AblationConfig, path: Path) -> 
     fig.suptitle("What each technique contributes (geometric mean over rounds, t 95% CI)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    write_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return path
 

@@ -29,7 +29,8 @@ from typing import Any
 import pandas as pd
 
 from ablate.report.compare import NOT_COMPARED, flatten
-from ablate.report.sweep_plots import write_file_atomic, write_sweep_report
+from ablate.report.sweep_plots import write_sweep_report
+from ablate.results import write_file_atomic
 from ablate.results import DONE, write_atomic
 
 FAILED = "failed.json"

@@ -21,6 +21,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 
 from ablate.api.plugin import StatFigure  # noqa: E402
 from ablate.report.declared import Declarations  # noqa: E402
+from ablate.results import write_file_atomic  # noqa: E402
 from ablate.report.layout import (  # noqa: E402
     AXIS_LABELS,
     Layout,
@@ -278,7 +279,8 @@ def draw(summary: pd.DataFrame, point_keys: list[str], out_dir: Path, runs: pd.D
         if fig is None:
             continue
         path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")    # long tick labels and the legend stay whole
+        # atomic (a full disk leaves the old figure, not half a PNG); tight: long labels and the legend stay whole
+        write_file_atomic(path, lambda tmp, fig=fig: fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png"))
         plt.close(fig)
         written[name] = path
     return written

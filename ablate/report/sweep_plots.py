@@ -9,10 +9,7 @@ with a single measured value gets no figure. The legend sits below the panels, n
 """
 from __future__ import annotations
 
-import os
 import re
-import secrets
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +23,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 from ablate.analysis.stats import Interval, log_interval  # noqa: E402
-from ablate.results import write_atomic  # noqa: E402
+from ablate.results import write_atomic, write_file_atomic  # noqa: E402
 
 if TYPE_CHECKING:
     from ablate.report.collect import Sweep
@@ -176,18 +173,6 @@ def key_figure(table: pd.DataFrame, swept: list[str], key: str) -> Figure | None
 
 def figure_name(key: str) -> str:
     return "sweep_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", _short(key)) + ".png"
-
-
-def write_file_atomic(path: Path, write: Callable[[str], object]) -> None:
-    """`write(temporary path)` beside `path`, then rename: a reader never sees half a file. The writer
-    creates the file itself, so it gets an ordinary file's mode (0666 less the umask)."""
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}{path.suffix}")
-    try:
-        write(str(tmp))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _save(fig: Figure, path: Path) -> None:

@@ -15,17 +15,20 @@ Blocks are reference-counted so that several sequences can hold one:
   registration gets a fresh `content_id` that is never reused, and a block records its predecessor's
   content_id, so by induction a verified hit holds exactly this prefix: a collision can only miss.
 A freed block keeps its content and stays findable until the free list hands it out again: never
-registered blocks go first, then registered ones, least recently freed first.
+registered blocks first (the last freed first, then those never handed out, which cost nothing until
+then: a pool of any size is built at once), then registered ones, least recently freed first.
 
 Writing into a block that others hold would change their K/V: a sequence about to write into a
-partly-filled block it shares first gets a private copy (copy-on-write); `append` returns the
-(source, destination) pairs whose contents the cache must copy.
+partly-filled block it shares first gets a private copy (copy-on-write; `append` returns the
+(source, destination) pairs the cache must copy). One it holds alone that is registered (truncated
+into, then appended to) is unregistered first: a registration always names what the block holds.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 
@@ -35,30 +38,42 @@ def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((prev_hash, token_ids))
 
 
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0                  # sequences holding this block
-    hash: int | None = None             # chained hash of the prefix it ends (registered full blocks)
-    token_ids: tuple[int, ...] = ()     # its tokens, once registered: verifies a hash hit
-    content_id: int = 0                 # unique per registration; 0: not registered
-    parent_content_id: int = 0          # content_id of the block before it in its sequence (0: first)
+class UnknownSequenceError(KeyError):
+    """A call named a sequence that holds no blocks (never allocated, or freed already)."""
+    def __str__(self) -> str:          # KeyError's own would quote the message
+        return str(self.args[0])
 
-    def unregister(self) -> None:
-        self.hash, self.token_ids, self.content_id, self.parent_content_id = None, (), 0, 0
+
+@dataclass(frozen=True)
+class Registration:
+    """What a registered full block holds: a prefix-cache hit is verified against it."""
+    hash: int                          # chained hash of the prefix the block ends
+    token_ids: tuple[int, ...]         # its tokens
+    content_id: int                    # unique per registration, never reused
+    parent_content_id: int             # content_id of the block before it in its sequence (0: first)
+
+
+def _count(name: str, value: object, minimum: int = 0) -> int:
+    """`value` as an int, or a ValueError naming the argument (a bad count corrupts the tables)."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  hash_fn: HashFn = chain_hash) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.block_size = block_size
+        self.num_blocks = _count("num_blocks", num_blocks, 1)
+        self.block_size = _count("block_size", block_size, 1)
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front: next out
+        self.ref_counts: dict[int, int] = {}            # held block -> sequences holding it (free: absent)
+        self.registrations: dict[int, Registration] = {}   # registered block (held or free) -> its content
         self.cached_block_ids: dict[int, int] = {}      # hash -> registered block (held or free)
+        # the free list, next out first: _released (a stack), then blocks _next_unused.., then _cached_free
+        self._released: list[int] = []                  # freed blocks that hold nothing registered
+        self._next_unused = 0                           # blocks from here on were never handed out
+        self._cached_free: OrderedDict[int, None] = OrderedDict()   # freed registered blocks, LRU first
         self.block_tables: dict[int, list[int]] = {}    # seq_id -> physical blocks in logical order
         self.num_tokens: dict[int, int] = {}            # seq_id -> token slots claimed
         self.num_registered: dict[int, int] = {}        # seq_id -> leading blocks already registered
@@ -67,23 +82,20 @@ class BlockManager:
         self.num_hit_blocks = 0          # of which were found there
 
     # -- sizes -------------------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+    num_free_blocks = property(lambda self: self.num_blocks - len(self.ref_counts))
+    num_used_blocks = property(lambda self: len(self.ref_counts))
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def ref_count(self, block_id: int) -> int:
+        return self.ref_counts.get(block_id, 0)
+
     def block_table(self, seq_id: int) -> list[int]:
-        return self.block_tables[seq_id]
+        table = self.block_tables.get(seq_id)
+        if table is None:
+            raise UnknownSequenceError(f"sequence {seq_id!r} holds no blocks (never allocated, or freed already)")
+        return table
 
     # -- admission ---------------------------------------------------------------------------------
     def cached_prefix(self, token_ids: Sequence[int]) -> int:
@@ -95,10 +107,10 @@ class BlockManager:
         """Room for a new sequence of `num_tokens` slots (default: its tokens) whose first `num_cached`
         tokens (whole blocks of `token_ids`; default: every prefix-cache hit) come from the prefix
         cache: fresh blocks, plus cached free blocks it revives."""
-        num_tokens = len(token_ids) if num_tokens is None else num_tokens
-        hits = self._hits(token_ids, num_cached)
+        num_tokens = len(token_ids) if num_tokens is None else _count("num_tokens", num_tokens)
+        hits = self._hits(token_ids, num_tokens, num_cached)
         num_fresh = self.num_blocks_for(num_tokens) - len(hits)
-        num_revived = sum(self.blocks[b].ref_count == 0 for b in hits)
+        num_revived = sum(b not in self.ref_counts for b in hits)
         return num_fresh + num_revived <= self.num_free_blocks
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int | None = None,
@@ -110,38 +122,37 @@ class BlockManager:
         if not self.can_allocate(token_ids, num_tokens, num_cached):
             raise RuntimeError(f"allocate(seq {seq_id}) without room: call can_allocate first")
         num_tokens = len(token_ids) if num_tokens is None else num_tokens
-        hits = self._hits(token_ids, num_cached)
+        hits = self._hits(token_ids, num_tokens, num_cached)
         if self.enable_prefix_caching:
             self.num_cacheable_blocks += self._num_cacheable(len(token_ids))
             self.num_hit_blocks += len(hits)
-        table = []
         for block_id in hits:               # revive hits first: taking fresh blocks must not evict them
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_block_ids[block_id]
-            block.ref_count += 1
-            table.append(block_id)
-        table += [self._take_free_block() for _ in range(self.num_blocks_for(num_tokens) - len(hits))]
-        self.block_tables[seq_id] = table
+            if block_id not in self.ref_counts:
+                del self._cached_free[block_id]
+            self.ref_counts[block_id] = self.ref_counts.get(block_id, 0) + 1
+        fresh = [self._take_free_block() for _ in range(self.num_blocks_for(num_tokens) - len(hits))]
+        self.block_tables[seq_id] = hits + fresh
         self.num_tokens[seq_id] = num_tokens
         self.num_registered[seq_id] = len(hits)
         return len(hits) * self.block_size
 
-    def _hits(self, token_ids: Sequence[int], num_cached: int | None) -> list[int]:
-        """The registered blocks a new sequence takes: its first num_cached tokens (None: every hit)."""
+    def _hits(self, token_ids: Sequence[int], num_tokens: int, num_cached: int | None) -> list[int]:
+        """The registered blocks a new sequence takes: its first num_cached tokens (None: all hits)."""
+        hits = self._match_prefix(token_ids)
         if num_cached is None:
-            return self._match_prefix(token_ids)
-        if num_cached % self.block_size:
+            return hits[:num_tokens // self.block_size]
+        if _count("num_cached", num_cached) % self.block_size:
             raise ValueError(f"{num_cached} cached tokens is not a whole number of {self.block_size}-token blocks")
-        hits = self._match_prefix(token_ids)[:num_cached // self.block_size]
+        if num_cached > num_tokens:
+            raise ValueError(f"{num_cached} cached tokens claimed for a sequence of {num_tokens} slots")
+        hits = hits[:num_cached // self.block_size]
         if len(hits) * self.block_size != num_cached:
             raise ValueError(f"{num_cached} cached tokens claimed but the prefix cache holds "
                              f"{len(hits) * self.block_size} of them")
         return hits
 
     def _num_cacheable(self, num_tokens: int) -> int:
-        # Only full blocks before the last token: the last token must be fed to get its logits, and
-        # the block it is written into must not be shared.
+        # Full blocks before the last token: it is fed (for its logits) into a block nobody shares
         return (num_tokens - 1) // self.block_size
 
     def _match_prefix(self, token_ids: Sequence[int]) -> list[int]:
@@ -149,45 +160,42 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        prev_hash, prev_content_id = None, 0
-        bs = self.block_size
+        prev_hash, prev_content_id, bs = None, 0, self.block_size
         for i in range(self._num_cacheable(len(token_ids))):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = self.hash_fn(prev_hash, tokens)
-            block_id = self.cached_block_ids.get(h)
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
-            if block.token_ids != tokens or block.parent_content_id != prev_content_id:
-                break                         # a hash collision: a different prefix
-            hits.append(block_id)
-            prev_hash, prev_content_id = h, block.content_id
+            reg = self.registrations.get(self.cached_block_ids.get(h, -1))
+            if reg is None or reg.token_ids != tokens or reg.parent_content_id != prev_content_id:
+                break                         # not cached, or a hash collision: a different prefix
+            hits.append(self.cached_block_ids[h])
+            prev_hash, prev_content_id = h, reg.content_id
         return hits
 
     def _take_free_block(self) -> int:
-        block_id, _ = self.free_block_ids.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.content_id:                  # its old content is about to be overwritten
-            self._forget(block)
-        block.ref_count = 1
+        if self._released:
+            block_id = self._released.pop()
+        elif self._next_unused < self.num_blocks:
+            block_id, self._next_unused = self._next_unused, self._next_unused + 1
+        else:
+            self._forget(block_id := self._cached_free.popitem(last=False)[0])
+        self.ref_counts[block_id] = 1
         return block_id
 
-    def _forget(self, block: Block) -> None:
-        if self.cached_block_ids.get(block.hash) == block.block_id:
-            del self.cached_block_ids[block.hash]
-        block.unregister()
+    def _forget(self, block_id: int) -> None:   # unregister: its content is about to change
+        reg = self.registrations.pop(block_id)
+        if self.cached_block_ids.get(reg.hash) == block_id:
+            del self.cached_block_ids[reg.hash]
 
     # -- growth ------------------------------------------------------------------------------------
-    def _needs_copy(self, seq_id: int, num_tokens: int) -> bool:
-        """Would writing the next token land in a partly-filled block someone else holds?"""
-        n = self.num_tokens[seq_id]
-        return num_tokens > 0 and n % self.block_size != 0 and self.blocks[self.block_tables[seq_id][-1]].ref_count > 1
+    def _writes_into_last(self, seq_id: int, num_tokens: int) -> bool:   # its partly-filled last block?
+        return num_tokens > 0 and self.num_tokens[seq_id] % self.block_size != 0
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         """Room for `num_tokens` more slots of this sequence (new blocks, and a copy-on-write one)."""
-        n = self.num_tokens[seq_id]
-        num_new = self.num_blocks_for(n + num_tokens) - len(self.block_tables[seq_id])
-        return num_new + self._needs_copy(seq_id, num_tokens) <= self.num_free_blocks
+        table, num_tokens = self.block_table(seq_id), _count("num_tokens", num_tokens)
+        num_new = self.num_blocks_for(self.num_tokens[seq_id] + num_tokens) - len(table)
+        needs_copy = self._writes_into_last(seq_id, num_tokens) and self.ref_counts[table[-1]] > 1
+        return num_new + needs_copy <= self.num_free_blocks
 
     def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """Claim `num_tokens` more slots; returns (source, destination) blocks the cache must copy."""
@@ -195,12 +203,15 @@ class BlockManager:
             raise RuntimeError(f"append(seq {seq_id}, {num_tokens}) without room: call can_append first")
         table = self.block_tables[seq_id]
         copies = []
-        if self._needs_copy(seq_id, num_tokens):
-            shared = self.blocks[table[-1]]
-            private = self._take_free_block()
-            shared.ref_count -= 1              # still held by the others: never 0 here
-            copies.append((shared.block_id, private))
-            table[-1] = private
+        if self._writes_into_last(seq_id, num_tokens):
+            last = table[-1]
+            if self.ref_counts[last] > 1:      # others read it: write into a private copy
+                private = self._take_free_block()
+                self.ref_counts[last] -= 1     # still held by the others: never 0 here
+                copies.append((last, private))
+                table[-1] = private
+            elif last in self.registrations:   # ours alone, registered with tokens we overwrite now
+                self._forget(last)
         n = self.num_tokens[seq_id] + num_tokens
         table += [self._take_free_block() for _ in range(self.num_blocks_for(n) - len(table))]
         self.num_tokens[seq_id] = n
@@ -209,84 +220,81 @@ class BlockManager:
     def commit(self, seq_id: int, token_ids: Sequence[int], num_tokens: int | None = None) -> None:
         """The K/V of the first `num_tokens` of `token_ids` (default: all) is computed: register the
         full blocks they fill, so that a sequence admitted later may take them."""
+        table, bs = self.block_table(seq_id), self.block_size
         if not self.enable_prefix_caching:
             return
-        table, bs = self.block_tables[seq_id], self.block_size
-        num_computed = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
+        num_computed = len(token_ids) if num_tokens is None else min(_count("num_tokens", num_tokens), len(token_ids))
         num_full = min(num_computed, self.num_tokens[seq_id]) // bs
         for i in range(self.num_registered[seq_id], num_full):
-            block = self.blocks[table[i]]
-            if block.content_id:               # registered by another holder (a fork) already
+            if table[i] in self.registrations:     # registered by another holder (a fork) already
                 continue
-            prev = self.blocks[table[i - 1]] if i else None
-            block.token_ids = tuple(token_ids[i * bs:(i + 1) * bs])
-            block.hash = self.hash_fn(prev.hash if prev else None, block.token_ids)
-            block.parent_content_id = prev.content_id if prev else 0
-            block.content_id = self._next_content_id
+            prev = self.registrations.get(table[i - 1]) if i else None
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = self.hash_fn(prev.hash if prev else None, tokens)
+            self.registrations[table[i]] = Registration(h, tokens, self._next_content_id,
+                                                        prev.content_id if prev else 0)
             self._next_content_id += 1
-            self.cached_block_ids[block.hash] = block.block_id   # a duplicate prefix: the newest wins
+            self.cached_block_ids[h] = table[i]    # a duplicate prefix: the newest wins
         self.num_registered[seq_id] = max(self.num_registered[seq_id], num_full)
 
     # -- sharing and release -----------------------------------------------------------------------
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child starts with all of the parent's blocks (shared, copied on write)."""
+        table = list(self.block_table(parent_id))
         if child_id in self.block_tables:
             raise ValueError(f"sequence {child_id} already holds blocks")
-        table = list(self.block_tables[parent_id])
         for block_id in table:
-            self.blocks[block_id].ref_count += 1
+            self.ref_counts[block_id] += 1
         self.block_tables[child_id] = table
         self.num_tokens[child_id] = self.num_tokens[parent_id]
         self.num_registered[child_id] = self.num_registered[parent_id]
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
-        """Keep the first `num_tokens` slots (rejected speculative tokens); free the blocks past them."""
-        n = self.num_tokens[seq_id]
-        if not 0 <= num_tokens <= n:
-            raise ValueError(f"truncate(seq {seq_id}, {num_tokens}): it holds {n} tokens")
-        table = self.block_tables[seq_id]
+        """Keep the first `num_tokens` slots (rejected speculative tokens); free the blocks past them.
+        A registered block truncated into keeps its registration until a write changes it (append)."""
+        table, n = self.block_table(seq_id), self.num_tokens[seq_id]
+        if _count("num_tokens", num_tokens) > n:
+            raise ValueError(f"truncate(seq {seq_id}, num_tokens={num_tokens}): it holds {n} tokens")
         keep = self.num_blocks_for(num_tokens)
         for block_id in reversed(table[keep:]):
             self._release(block_id)
         del table[keep:]
-        if num_tokens % self.block_size and table:
-            last = self.blocks[table[-1]]
-            # Its tail will be overwritten. Held by us alone, its registered content is no longer
-            # true; shared, it stays true for the others and our next write copies it first.
-            if last.content_id and last.ref_count == 1:
-                self._forget(last)
         self.num_tokens[seq_id] = num_tokens
         self.num_registered[seq_id] = min(self.num_registered[seq_id], num_tokens // self.block_size)
 
     def free(self, seq_id: int) -> None:
         """The sequence finished or was preempted: drop its hold on every block."""
-        for block_id in reversed(self.block_tables.pop(seq_id)):   # tail first: evicted before the prefix
+        for block_id in reversed(self.block_table(seq_id)):   # tail first: evicted before the prefix
             self._release(block_id)
-        del self.num_tokens[seq_id], self.num_registered[seq_id]
+        del self.block_tables[seq_id], self.num_tokens[seq_id], self.num_registered[seq_id]
 
     def _release(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count < 1:
+        count = self.ref_counts.pop(block_id, 0)
+        if count < 1:
             raise RuntimeError(f"block {block_id} released more often than it was taken")
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free_block_ids[block_id] = None
-            if not block.content_id:           # nothing worth keeping: hand it out before cached ones
-                self.free_block_ids.move_to_end(block_id, last=False)
+        if count > 1:
+            self.ref_counts[block_id] = count - 1
+        elif block_id in self.registrations:
+            self._cached_free[block_id] = None     # findable until handed out, least recently freed first
+        else:
+            self._released.append(block_id)        # nothing worth keeping: handed out before cached ones
 
     # -- checks ------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests call it after every step)."""
-        holders = [0] * self.num_blocks
+        holders: dict[int, int] = {}
         for seq_id, table in self.block_tables.items():
             assert len(table) == self.num_blocks_for(self.num_tokens[seq_id]), f"seq {seq_id}: table length"
             assert len(set(table)) == len(table), f"seq {seq_id}: a block twice in one table"
             for block_id in table:
-                holders[block_id] += 1
-        for block in self.blocks:
-            assert block.ref_count == holders[block.block_id], f"block {block.block_id}: ref count"
-            assert (block.ref_count == 0) == (block.block_id in self.free_block_ids), \
-                f"block {block.block_id}: free iff unreferenced"
+                holders[block_id] = holders.get(block_id, 0) + 1
+        assert holders == self.ref_counts, "ref counts differ from the holders"
+        released, cached, registered = set(self._released), set(self._cached_free), set(self.registrations)
+        assert len(released) + self.num_blocks - self._next_unused + len(cached) == self.num_free_blocks \
+            and len(released) == len(self._released) and not released & cached, "free list: a block missing or twice"
+        assert not (released | cached) & set(holders), "a held block is on the free list"
+        assert all(0 <= b < self._next_unused for b in [*released, *cached, *holders]), "a block out of range"
+        assert not released & registered and cached <= registered, "free list: registered blocks out of place"
         for h, block_id in self.cached_block_ids.items():
-            block = self.blocks[block_id]
-            assert block.hash == h and block.content_id, f"block {block_id}: stale cache entry"
+            assert block_id in self.registrations and self.registrations[block_id].hash == h, \
+                f"block {block_id}: stale cache entry"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ablate.api import BuildContext, Sequence
 from ablate_kv_cache.paging_model import PREDICTION_STATS, predict
-from ablate_kv_cache.slot_cache import SlotCacheConfig, SlotKVCache
+from ablate_kv_cache.slot_cache import SlotCacheConfig, SlotKVCache, check_pool_fits
 
 
 @dataclass
@@ -32,6 +32,9 @@ class ContiguousKVCache(SlotKVCache):
                 raise ValueError(
                     f"kv_cache=contiguous: the KV budget of {self.budget_bytes} bytes holds no sequence of {capacity} "
                     f"tokens ({self.bytes_per_slot(capacity)} bytes each): raise kv_cache.budget_bytes")
+        # before allocating: a pool larger than the free memory fails with a clear message, not torch's
+        check_pool_fits(self.name, num_slots * self.bytes_per_slot(capacity), self.bytes_per_slot(capacity),
+                        self.spec, config, self.budget_bytes)
         self._allocate(num_slots, capacity)
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:

@@ -19,6 +19,7 @@ import torch
 from ablate.api import BuildContext, KVBudgetConfig, KVCache, PagedKV, Sequence, Stat, StepInputs, budget_bytes
 from ablate_kv_cache.block_manager import BlockManager
 from ablate_kv_cache.paging_model import PREDICTION_STATS, predict
+from ablate_kv_cache.slot_cache import check_pool_fits
 
 
 @dataclass
@@ -69,6 +70,9 @@ class PagedKVCache(KVCache):
                     f"kv_cache=paged: the KV budget of {budget} bytes holds {num_blocks} blocks of {bs} tokens "
                     f"({self.block_bytes} bytes each), fewer than one sequence of {s.max_seq_len} tokens needs "
                     f"({blocks_per_seq}): raise kv_cache.budget_bytes or shorten the workload")
+        # before allocating anything: a pool larger than the free memory fails with a clear message
+        check_pool_fits(self.name, num_blocks * self.block_bytes, blocks_per_seq * self.block_bytes, s, config,
+                        budget)
         self.manager = BlockManager(num_blocks, bs, config.prefix_caching)
         self.k = torch.zeros(s.num_layers, num_blocks, bs, s.n_kv_heads, s.k_head_dim, dtype=s.dtype, device=s.device)
         self.v = torch.zeros(s.num_layers, num_blocks, bs, s.n_kv_heads, s.v_head_dim, dtype=s.dtype, device=s.device)

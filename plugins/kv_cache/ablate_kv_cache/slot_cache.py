@@ -10,9 +10,45 @@ import heapq
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 import torch
 
-from ablate.api import BuildContext, KVBudgetConfig, KVCache, RowBuffers, Sequence, Stat, StepInputs, budget_bytes
+from ablate.api import (BuildContext, KVBudgetConfig, KVCache, KVSpec, RowBuffers, Sequence, Stat, StepInputs,
+                        budget_bytes)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory a new pool may take: free device memory on a GPU, available RAM on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(psutil.virtual_memory().available)
+
+
+def check_pool_fits(cache: str, pool_bytes: int, seq_bytes: int, spec: KVSpec, config: KVBudgetConfig,
+                    budget: int) -> None:
+    """Before a cache allocates its pool (`seq_bytes` per sequence of spec.max_seq_len tokens; `budget`:
+    the config's budget in bytes, 0: none): a ValueError naming the options to change if the pool
+    exceeds the memory free on the device."""
+    free = free_memory_bytes(spec.device)
+    if pool_bytes <= free:
+        return
+    where = f"on {spec.device}" if spec.device.type == "cuda" else "in RAM"
+    fit = free // seq_bytes
+    if budget and pool_bytes < spec.max_num_seqs * seq_bytes:     # the budget, not max_num_seqs, sized it
+        option = (f"kv_cache.budget_fraction={config.budget_fraction} ({budget} bytes)" if config.budget_fraction
+                  else f"kv_cache.budget_bytes={budget}")
+        raise ValueError(
+            f"kv_cache={cache}: the KV budget {option} makes a pool of {pool_bytes} bytes, more than the "
+            f"{free} bytes free {where}: lower the budget below {free} bytes (kv_cache.budget_bytes, or "
+            f"kv_cache.budget_fraction: a share of the free memory)")
+    raise ValueError(
+        f"kv_cache={cache}: the KV pool for engine.max_num_seqs={spec.max_num_seqs} sequences of "
+        f"{spec.max_seq_len} tokens (engine.max_seq_len, or the workload's longest prompt + output) at "
+        f"{spec.bytes_per_token} bytes per token needs {pool_bytes} bytes, more than the {free} bytes free {where}. "
+        + (f"{fit} such sequences fit: lower engine.max_num_seqs to {fit} or below, " if fit else
+           "Not even one such sequence fits: ")
+        + "shorten the sequences (engine.max_seq_len, the workload's lengths), or cap the pool with "
+          "kv_cache.budget_bytes or kv_cache.budget_fraction (a share of the free memory, e.g. 0.9)")
 
 
 @dataclass

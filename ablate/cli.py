@@ -41,6 +41,35 @@ def config_error(raw: dict, registry) -> str | None:
 
 
 def main() -> None:
+    """Every failure ends in one line on stderr (the traceback only with ABLATE_DEBUG=1 or
+    HYDRA_FULL_ERROR=1): status 2 for bad input (config, files, options), 1 for anything else, 130
+    when interrupted; a job's failure is also recorded in its run folder (failed.json)."""
+    try:
+        _main()
+    except KeyboardInterrupt:
+        _fail("interrupted: the rounds finished so far are kept in the run folder; the same command continues them",
+              130)
+    except (ValueError, OSError, LookupError) as err:      # bad input: an option, a file, a folder
+        if _debugging():
+            raise
+        _fail(f"error: {_one_line(err)}", 2)
+    except Exception as err:
+        if _debugging():
+            raise
+        _fail(f"error: {type(err).__name__}: {_one_line(err)} (ABLATE_DEBUG=1 shows the traceback)", 1)
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def _fail(message: str, status: int) -> None:
+    from ablate.report.console import job_prefix
+    print(f"{job_prefix()}{message}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def _main() -> None:
     if sys.argv[1:2] == ["plugins"]:
         list_plugins()
         return
@@ -63,8 +92,8 @@ def main() -> None:
     registry = default_registry()
     register_configs(registry)
     if not _debugging() and (message := unknown_option(registry, sys.argv[1:])) is not None:
-        print(f"error: {message}", file=sys.stderr, flush=True)   # before Hydra's own, less helpful message
-        sys.exit(2)
+        _fail(f"error: {message}", 2)     # before Hydra's own, less helpful message
+    failure: list[BaseException] = []
 
     @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
     def job(cfg: DictConfig) -> None:
@@ -72,24 +101,29 @@ def main() -> None:
         sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
         job_dir = HydraConfig.get().runtime.output_dir
         if not _debugging() and (message := config_error(raw, registry)) is not None:
+            if not sweeping:
+                _fail(f"error: {message}", 2)   # SystemExit passes through Hydra's handler: no traceback
             print(f"{job_prefix()}error: {message}", file=sys.stderr, flush=True)
-            if sweeping:        # a sweep goes on with its other jobs
-                write_job_status(job_dir, "config error", message)
-                return
-            sys.exit(2)         # SystemExit passes through Hydra's handler: no traceback
-        if not sweeping:
-            run_job(raw, registry, job_dir=job_dir)
+            write_job_status(job_dir, "config error", message)     # a sweep goes on with its other jobs
             return
         try:
-            folder = run_job(raw, registry, swallow_errors=True, job_dir=job_dir)
-        except Exception as err:     # before the run folder existed (e.g. another process holds it)
-            print(f"{job_prefix()}job failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
-            write_job_status(job_dir, "failed", f"{type(err).__name__}: {err}")
+            folder = run_job(raw, registry, swallow_errors=sweeping, job_dir=job_dir)
+        except Exception as err:
+            if not sweeping:
+                if _debugging():
+                    raise
+                failure.append(err)       # re-raised outside Hydra, which would print its traceback
+                return
+            print(f"{job_prefix()}job failed: {type(err).__name__}: {_one_line(err)}", file=sys.stderr, flush=True)
+            write_job_status(job_dir, "failed", f"{type(err).__name__}: {_one_line(err)}")
             return
-        write_job_status(job_dir, "done" if folder is not None else "failed",
-                         "" if folder is not None else f"see {job_dir}/results/failed.json")
+        if sweeping:
+            write_job_status(job_dir, "done" if folder is not None else "failed",
+                             "" if folder is not None else f"see {job_dir}/results/failed.json")
 
     job()
+    if failure:
+        raise failure[0]
     if FAILED_JOBS:           # a sweep with failed jobs: the summary was printed by SweepOutcome
         sys.exit(1)
 

@@ -15,7 +15,7 @@ PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bad_inputs.py"
 FASTEST = {
     "experiment.repeats=0": "clear error",
     "model.n_heads=0": "clear error",
-    "trace: malformed JSON on line 3": "clear error",
+    "kv_cache=nonesuch": "clear error",
     "block manager: truncate past the end": "clear error",
     "block manager: allocate a sequence that holds blocks": "clear error",
 }

@@ -1,11 +1,11 @@
 """A job's safety nets: one process at a time per run folder, a plugin that calls sys.exit fails its
-job only, and a sweep says which jobs failed and exits non-zero."""
+arm only, and a sweep says which jobs failed and exits non-zero."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 
 from ablate.experiment.job import NOT_MEASURED, run_job
@@ -37,12 +37,14 @@ def test_a_second_process_on_the_same_config_is_refused(compose_config, registry
     assert run_job(raw, registry).is_done      # released: the next run measures
 
 
-def test_a_plugin_calling_sys_exit_fails_its_job_only(compose_config, ablate_registry, tmp_path):
+def test_a_plugin_calling_sys_exit_fails_its_arm_only(compose_config, ablate_registry, tmp_path):
     registry = ablate_registry.with_plugins(ExitsTheProcess)
     raw = compose_config(tmp_path, *SMALL, "+experiment.arms.base={}", "+experiment.arms.bad.kv_cache=exits")
-    assert run_job(raw, registry, swallow_errors=True) is None          # no SystemExit escapes
-    (failed,) = (tmp_path / "results").rglob("failed.json")
-    assert json.loads(failed.read_text())["error"] == "SystemExit: 3"
+    folder = run_job(raw, registry, swallow_errors=True)       # no SystemExit escapes; the job finishes
+    summary = pd.read_csv(folder.path / "summary.csv").set_index("arm")
+    assert summary.loc["base", "status"] == "ok"
+    assert summary.loc["bad", "status"] == "failed"
+    assert summary.loc["bad", "status_detail"].startswith("kv_cache=exits.prepare: SystemExit: 3")
 
 
 @pytest.mark.slow     # two short jobs through the CLI (~10 s)

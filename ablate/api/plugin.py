@@ -163,6 +163,7 @@ class blame:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> None:
-        if kind is None or issubclass(kind, (PluginError, ValueError)) or not issubclass(kind, Exception):
+        # SystemExit too: a plugin calling sys.exit fails its arm, not the whole sweep
+        if kind is None or issubclass(kind, (PluginError, ValueError)) or not issubclass(kind, (Exception, SystemExit)):
             return
         raise PluginError(self.plugin, self.method, f"{kind.__name__}: {err}") from err

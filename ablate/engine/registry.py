@@ -160,6 +160,11 @@ def discover(blocked: tuple[str, ...] = ()) -> Registry:
         if info.status == "loaded":
             seen[key] = info
         infos.append(info)
+    names = {i.entry_point for i in infos} | {f"{i.slot}.{i.name}" for i in infos}
+    unknown = [b for b in _env_blocked() if b not in names]
+    if unknown:    # a typo would otherwise block nothing, silently
+        raise ValueError(f"{BLOCK_ENV}={os.environ[BLOCK_ENV]}: {', '.join(unknown)} names no plugin; entries are "
+                         f"slot.name, e.g. kv_cache.paged (python -m ablate plugins lists them)")
     return Registry(infos)
 
 

@@ -130,11 +130,17 @@ def build(cls: type, values: dict[str, Any] | None, where: str):
         raise ValueError(f"{where}: {err}") from err
 
 
+SECTIONS = ("model", "experiment", "workload", "engine", "wandb", "costs")
 TOP_LEVEL = ("device", "threads", "peak_bandwidth", "peak_flops", "results_dir", "redo")
 
 
 def to_run_config(raw: dict[str, Any], registry: Registry) -> RunConfig:
     """The composed config (a plain dict) -> RunConfig, every part validated."""
+    known = {slot.value for slot in Slot} | set(SECTIONS) | set(TOP_LEVEL)
+    unknown = sorted(set(raw) - known)
+    if unknown:    # e.g. +bogus=1: Hydra adds it, nothing would read it
+        raise ValueError(f"unknown option {', '.join(unknown)} at the top level of the config; the top level "
+                         f"has {', '.join(sorted(known))}")
     plugins = {}
     for slot in Slot:
         node = dict(raw.get(slot.value) or {})

@@ -12,6 +12,7 @@ No Hydra here: the CLI hands over the resolved config as a plain dict.
 """
 from __future__ import annotations
 
+import os
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -61,6 +62,13 @@ def _job(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swallow_
     device = dev.resolve(cfg.device)
     measured = {k: v for k, v in raw.items() if k not in NOT_MEASURED}
     folder = RunFolder.for_config(Path(cfg.results_dir), cfg.experiment.name, measured)
+    try:
+        folder.path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder.path.parent, os.W_OK):
+            raise PermissionError(f"no write permission on {folder.path.parent}")
+    except OSError as err:
+        raise ValueError(f"results_dir={cfg.results_dir}: run folders cannot be written there ({err}); "
+                         "give a writable folder") from err
     with folder.lock():
         return _measure(cfg, raw, plan, registry, swallow_errors, job_dir, say, device, folder)
 

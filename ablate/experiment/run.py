@@ -136,8 +136,8 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
             return ArmRun({"status": "failed", "status_detail": failed[arm.name]}, pd.DataFrame(), [])
         try:
             run = run_once(arm, model, requests, engine_cfg, registry, peaks, exp.recorder, exp.track_memory)
-        except PluginError as err:
-            failed[arm.name] = f"{err}"
+        except (PluginError, SystemExit) as err:   # SystemExit: a plugin's sys.exit outside a blamed call
+            failed[arm.name] = f"{err}" if isinstance(err, PluginError) else f"a plugin of the arm called sys.exit({err})"
             progress(f"{where}: FAILED, not measured again: {err}")
             return ArmRun({"status": "failed", "status_detail": failed[arm.name]}, pd.DataFrame(), [])
         has_slo = exp.ttft_slo_ms is not None or exp.tpot_slo_ms is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 
@@ -17,6 +18,8 @@ def resolve(name: str = "auto") -> torch.device:
     """auto -> cuda when a GPU is present, else cpu."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name != "cpu" and not re.fullmatch(r"cuda(:\d+)?", name):
+        raise ValueError(f"device={name!r} is not a device ablate runs on; use device=auto, cpu, cuda or cuda:N")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={name!r} but no CUDA GPU is visible; use device=cpu or device=auto")

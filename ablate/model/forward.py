@@ -33,13 +33,13 @@ class Forward:
             cache.write(layer, self.step, k, v)
         except PluginError:
             raise
-        except Exception as err:
+        except (Exception, SystemExit) as err:    # sys.exit in a plugin fails its arm only
             raise PluginError(cache, "write", f"layer {layer}: {type(err).__name__}: {err}") from err
         try:
             view = cache.view(layer, self.step)
         except PluginError:
             raise
-        except Exception as err:
+        except (Exception, SystemExit) as err:    # sys.exit in a plugin fails its arm only
             raise PluginError(cache, "view", f"layer {layer}: {type(err).__name__}: {err}") from err
         if layer == self.checked_layer:
             problem = view_problem(view, self.step, cache.spec)
@@ -53,7 +53,7 @@ class Forward:
             out = self.attention(q, view, self.step)
         except PluginError:
             raise
-        except Exception as err:
+        except (Exception, SystemExit) as err:    # sys.exit in a plugin fails its arm only
             raise PluginError(self.attention, "__call__", f"layer {layer}: {type(err).__name__}: {err}") from err
         if layer == self.checked_layer and (out.shape[:2] != q.shape[:2] or out.dtype != q.dtype):
             raise PluginError(self.attention, "__call__", f"returned {tuple(out.shape)} {out.dtype} for queries "

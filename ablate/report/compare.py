@@ -81,6 +81,9 @@ def load_runs(path: str | Path) -> Results:
     res = load_readable(path)
     if res.runs.empty or not {"arm", "repeat", "duration_s"} <= set(res.runs.columns):
         raise RunUnreadable(f"{path}: no runs to compare: {why_no_runs(Path(path))}")
+    if not (Path(path) / "done.json").exists():     # the rounds it kept are partial: not the run as configured
+        raise RunUnreadable(f"{path}: {why_no_runs(Path(path))}; its {res.runs['repeat'].nunique()} kept round(s) "
+                            "are partial: run the same config again to finish it, then compare")
     return res
 
 

@@ -642,7 +642,8 @@ def other_job_done(done: Done, work: Path) -> str | None:
 
 
 def arm_failed(done: Done, work: Path) -> str | None:
-    """A plugin that raises is the arm's failure, by design: the job may end well if it says FAILED."""
+    """A plugin that raises (or calls sys.exit) is the arm's failure, by design: the job may end well if
+    it says FAILED."""
     return "the arm's failure is not reported" if done.rc == 0 and "FAILED" not in done.out else None
 
 
@@ -755,12 +756,13 @@ CASES: list[Case] = [
     sweep("sweep: one job with kv_cache=nonesuch", "kv_cache=contiguous,nonesuch", expect="nonesuch", check=None,
           extra=True),
     sweep("sweep: a plugin calls sys.exit(3) in a job", "kv_cache=exits_in_init,contiguous", patch="plugins",
-          expect="exits_in_init"),
+          expect="exits_in_init", want="either", check=arm_failed),
     sweep("sweep: a plugin raises in __init__ in a job", "kv_cache=raises_in_init,contiguous", patch="plugins",
           expect="raises_in_init", want="either", check=arm_failed),
     patched("a plugin raises in __init__", "plugins", "kv_cache=raises_in_init", expect="raises_in_init",
             want="either", check=arm_failed),
-    patched("a plugin calls sys.exit(3)", "plugins", "kv_cache=exits_in_init", expect="exits_in_init"),
+    patched("a plugin calls sys.exit(3)", "plugins", "kv_cache=exits_in_init", expect="exits_in_init",
+            want="either", check=arm_failed),
     *[patched(f"{sig.name} midway (after round 1 was persisted)", "pinned", *SLOW, timeout=180,
               fault=kill_then_rerun(sig))
       for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)],

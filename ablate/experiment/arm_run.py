@@ -49,7 +49,8 @@ def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: E
     max_seq_len = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
     max_seq_len = engine_cfg.max_seq_len or max_seq_len
     if max_seq_len > model.config.max_seq_len:
-        raise ValueError(f"the workload needs {max_seq_len} tokens per sequence but model.max_seq_len is "
+        raise ValueError(f"the workload needs {max_seq_len} tokens per sequence (workload.prompt_len + "
+                         f"workload.output_len, or engine.max_seq_len) but model.max_seq_len is "
                          f"{model.config.max_seq_len}; raise model.max_seq_len or shorten the workload")
     recorders: list[Recorder] = []
 

@@ -129,7 +129,7 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
     def measure(arm: Arm, wl: WorkloadConfig, where: str, warmup: bool) -> ArmRun:
         bar.update()
         model = model_for(arm)
-        requests = make_requests(wl, model.config.vocab_size, tokenizer_for(model, wl))
+        requests = make_requests(wl, model.config.vocab_size, tokenizer_for(model, wl), model.config.max_seq_len)
         if warmup:   # the same prompts, a few tokens each, is enough to warm up
             requests = [replace(r, max_new_tokens=min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests]
         if arm.name in failed:

@@ -145,17 +145,19 @@ def _arrival_times(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
     return np.cumsum(gaps)
 
 
-def make_requests(cfg: WorkloadConfig, vocab_size: int, tokenizer: Tokenizer | None = None) -> list[Request]:
+def make_requests(cfg: WorkloadConfig, vocab_size: int, tokenizer: Tokenizer | None = None,
+                  max_seq_len: int | None = None) -> list[Request]:
     """Seeded requests: lengths and arrivals from the config; random prompt tokens, or with
     source=text prompts cut from real text by `tokenizer` (about prompt_len tokens each).
     arrival=trace replays a trace file (text prompts in it are encoded by `tokenizer`);
-    arrival=textbook gives the textbook's four requests."""
+    arrival=textbook gives the textbook's four requests. A request longer than `max_seq_len` (the
+    model's context) is refused before its tokens are drawn, naming the option or the trace line."""
     if cfg.arrival in ("trace", "textbook"):
         if cfg.source != "random":
             raise ValueError(f"workload.source={cfg.source} draws prompts for synthetic arrivals; with "
                              f"arrival={cfg.arrival} prompts are random tokens (or a trace's prompt text)")
         if cfg.arrival == "trace":
-            return trace_requests(cfg, vocab_size, tokenizer)
+            return trace_requests(cfg, vocab_size, tokenizer, max_seq_len)
         return textbook_requests(cfg, vocab_size)
     rng = np.random.default_rng(cfg.seed)
     if cfg.prompt_dist == "fixed":
@@ -164,6 +166,10 @@ def make_requests(cfg: WorkloadConfig, vocab_size: int, tokenizer: Tokenizer | N
         prompt_lens = rng.integers(cfg.prompt_len - cfg.prompt_spread, cfg.prompt_len + cfg.prompt_spread + 1,
                                    cfg.num_requests)
     output_lens = _output_lengths(cfg, rng)
+    if max_seq_len and int(prompt_lens.max() + output_lens.max()) > max_seq_len:
+        raise ValueError(f"workload.prompt_len and workload.output_len ask for up to "
+                         f"{int(prompt_lens.max() + output_lens.max())} tokens per sequence but model.max_seq_len is "
+                         f"{max_seq_len}: shorten the workload or raise model.max_seq_len")
     arrivals = _arrival_times(cfg, rng)
     text_prompts = _text_prompts(cfg, prompt_lens, tokenizer) if cfg.source == "text" else None
     requests = []
@@ -193,7 +199,8 @@ def _request(cfg: WorkloadConfig, i: int, prompt: tuple[int, ...], output_len: i
     return Request(i, prompt, output_len, sampling, arrival_time=arrival)
 
 
-def trace_requests(cfg: WorkloadConfig, vocab_size: int, tokenizer: Tokenizer | None = None) -> list[Request]:
+def trace_requests(cfg: WorkloadConfig, vocab_size: int, tokenizer: Tokenizer | None = None,
+                   max_seq_len: int | None = None) -> list[Request]:
     """Replay cfg.trace_path: its arrivals and lengths; seeded random prompts of prompt_len tokens,
     or the line's prompt text encoded by `tokenizer` (anything with encode(text) -> token ids)."""
     from ablate.workload.trace import TraceError, read_trace
@@ -201,6 +208,9 @@ def trace_requests(cfg: WorkloadConfig, vocab_size: int, tokenizer: Tokenizer | 
     rng = np.random.default_rng(cfg.seed)
     requests = []
     for i, entry in enumerate(read_trace(cfg.trace_path)):
+        if max_seq_len and entry.prompt is None and entry.prompt_len + entry.output_len > max_seq_len:
+            raise TraceError(cfg.trace_path, entry.line, "prompt_len", f"{entry.prompt_len} prompt + "
+                             f"{entry.output_len} output tokens exceed model.max_seq_len {max_seq_len}")
         if entry.prompt is None:
             prompt = tuple(int(t) for t in rng.integers(0, vocab_size, entry.prompt_len))
         else:

@@ -19,6 +19,11 @@ SMALL = ["experiment.repeats=3", "experiment.warmup=0", "workload.num_requests=2
          "workload.output_len=4"]
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4          # tiny, fp32
 
+
+def run_folders(experiment_dir: Path) -> list[Path]:
+    """The run folders of an experiment (beside them: each one's lock file, `.<id>.lock`)."""
+    return sorted(p for p in experiment_dir.iterdir() if p.is_dir())
+
 RUNS_COLUMNS = {"arm", "label", "repeat", "duration_s", "output_tokens", "output_throughput_tok_s", "ttft_p50_ms",
                 "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "itl_p50_ms", "kv_reserved_peak_bytes",
                 "kv_used_peak_bytes", "peak_memory_bytes", "weight_bytes", "kv_bytes_per_token",
@@ -106,7 +111,7 @@ def test_same_config_is_skipped_unless_redo(compose_config, registry, tmp_path, 
     again = run_job(raw, registry)
     assert "already finished" in capsys.readouterr().out
     assert again.path == first.path and (first.path / "done.json").read_text() == done
-    assert list(first.path.parent.iterdir()) == [first.path]
+    assert run_folders(first.path.parent) == [first.path]
     # W&B settings do not change what is measured: still the same run
     assert run_job({**raw, "wandb": {**raw["wandb"], "project": "other"}}, registry).path == first.path
     assert "already finished" in capsys.readouterr().out
@@ -119,7 +124,7 @@ def test_same_config_is_skipped_unless_redo(compose_config, registry, tmp_path, 
     out = capsys.readouterr().out
     assert "already finished" not in out and "round 1" in out
     assert redone.path == first.path and (redone.path / "done.json").exists()
-    moved = [p for p in first.path.parent.iterdir() if p.name.startswith(first.path.name + ".old-")]
+    moved = [p for p in run_folders(first.path.parent) if p.name.startswith(first.path.name + ".old-")]
     assert len(moved) == 1 and (moved[0] / "done.json").read_text() == done       # the old run kept aside
 
 
@@ -260,11 +265,11 @@ def test_a_failing_job_in_a_sweep_is_recorded_and_keeps_earlier_results(compose_
                              "workload.output_len=64", "model.max_seq_len=16")
     assert run_job(failing, registry, swallow_errors=True) is None
     assert "job failed" in capsys.readouterr().out
-    (failed,) = [p for p in good.path.parent.iterdir() if p != good.path]
+    (failed,) = [p for p in run_folders(good.path.parent) if p != good.path]
     record = json.loads((failed / "failed.json").read_text())
     assert record["status"] == "failed"
     assert record["error"].startswith(
-        "ValueError: the workload needs 72 tokens per sequence but model.max_seq_len is 16")
+        "ValueError: workload.prompt_len and workload.output_len ask for up to 72 tokens per sequence but model.max_seq_len is 16")
     assert "Traceback" in record["traceback"]
     assert not (failed / "done.json").exists() and not (failed / "runs.csv").exists()
     # the earlier job is untouched and still the only finished one

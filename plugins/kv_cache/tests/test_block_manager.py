@@ -230,7 +230,7 @@ class ManyStepsMachine(BlockManagerMachine):
     """The same machine, run much longer (pytest -m slow)."""
 
 
-MANY = settings(max_examples=1500, stateful_step_count=60, deadline=None,
+MANY = settings(max_examples=600, stateful_step_count=60, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
 TestBlockManagerManySteps = pytest.mark.slow(ManyStepsMachine.TestCase)
 TestBlockManagerManySteps.settings = MANY

@@ -30,8 +30,7 @@ import pandas as pd
 
 from ablate.report.compare import NOT_COMPARED, flatten
 from ablate.report.sweep_plots import write_sweep_report
-from ablate.results import write_file_atomic
-from ablate.results import DONE, write_atomic
+from ablate.results import DONE, write_atomic, write_file_atomic
 
 FAILED = "failed.json"
 # core metrics whose names do not end in their unit (_s, _ms, _bytes, _tok_s, _req_s): the name with one

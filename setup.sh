@@ -12,7 +12,9 @@ cd "$(dirname "$0")"
 if [ ! -x .venv/bin/python ]; then
     "${PYTHON:-python3}" -m venv .venv
 fi
-stamp=$(cat setup.sh pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml | sha256sum | cut -c1-16)
+# the stamp covers what is installed and which torch: a new TORCH_SPEC installs again
+stamp=$( (cat setup.sh pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml; echo "torch ${TORCH_SPEC:-}") \
+    | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.ablate-setup 2>/dev/null)" != "$stamp" ]; then
     pip="./.venv/bin/python -m pip install --quiet --disable-pip-version-check"
     # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build

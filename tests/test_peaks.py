@@ -16,6 +16,9 @@ from ablate.measure import hardware
 BW, FLOPS = 12.9e9, 5.0e10
 
 
+REAL_BUSY = hardware._busy
+
+
 @pytest.fixture
 def calls(tmp_path, monkeypatch):
     """A temporary cache; measurements return BW and FLOPS and are counted here."""
@@ -32,6 +35,7 @@ def calls(tmp_path, monkeypatch):
     monkeypatch.setattr(hardware, "CACHE_DIR", tmp_path / "cache")
     monkeypatch.setattr(hardware, "measure_bandwidth", bandwidth)
     monkeypatch.setattr(hardware, "measure_flops", flops)
+    monkeypatch.setattr(hardware, "_busy", lambda device: "")     # as if the machine were idle (CI may not be)
     monkeypatch.setenv(hardware.FROZEN_ENV, "0")     # recorded, so teardown removes what a test sets
     monkeypatch.delenv(hardware.FROZEN_ENV)
     threads = torch.get_num_threads()
@@ -63,6 +67,18 @@ def test_measured_once_then_read_from_the_cache(calls):
     assert entry["machine"] == hardware.machine_identity(torch.device("cpu"))
     assert entry["threads"] == torch.get_num_threads() and entry["dtype"] == "float32"
     assert entry["measured_at"] == first.measured_at and first.measured_at.endswith("+00:00")
+
+
+def test_a_measurement_on_a_busy_machine_is_used_once_and_never_cached(calls, monkeypatch, capsys):
+    monkeypatch.setattr(hardware, "_busy", REAL_BUSY)
+    monkeypatch.setattr(hardware.os, "getloadavg", lambda: (4.0 * (hardware.os.cpu_count() or 1),) * 3)
+    busy = peaks()
+    assert busy.source == "measured-busy" and busy.bandwidth_bytes_s == BW
+    assert "measured while the machine was busy" in capsys.readouterr().err
+    assert not cache_file().exists()
+    monkeypatch.setattr(hardware.os, "getloadavg", lambda: (0.1, 0.1, 0.1))      # idle: measured and cached
+    assert peaks().source == "measured" and peaks().source == "cached"
+    assert calls == {"bandwidth": 2, "flops": 2}
 
 
 def test_a_stale_entry_is_measured_again(calls, monkeypatch):

@@ -139,12 +139,27 @@ def peaks(device: torch.device, dtype: torch.dtype, bandwidth: float = 0.0, flop
                  "measured_at": _now().isoformat(timespec="seconds"), "machine": ident,
                  "threads": threads, "dtype": dtype_name}
         source = "measured"
-        if use_cache:
+        busy = _busy(device)
+        if busy:      # other work shared the memory bus: good for this run at most, never cached
+            print(f"peaks: measured while the machine was busy ({busy}); not cached, measured again next run",
+                  file=sys.stderr)
+            source = "measured-busy"
+        elif use_cache:
             _write_entry(path, key, entry)
     if bandwidth or flops:
         source = f"config+{source}"
     return Peaks(bandwidth or entry["bandwidth_bytes_s"], flops or entry["flops"], source,
                  entry["measured_at"], **common)
+
+
+def _busy(device: torch.device) -> str:
+    """Why this machine's CPUs are not free for a measurement ('' when they are): a 1-minute load
+    average above half the logical CPUs, not counting this process's own threads. CPU only: a GPU's
+    copy and matmul do not share the host's cores."""
+    if device.type != "cpu" or not hasattr(os, "getloadavg"):
+        return ""
+    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    return f"1-minute load {load:.2f} on {cpus} CPUs" if load > 0.5 * cpus + 1 else ""
 
 
 def _now() -> datetime:

@@ -14,7 +14,8 @@ from ablate.api.context import EngineConfig
 from ablate.api.sequence import Request, SamplingParams
 from ablate.checkpoints import loader
 from ablate.checkpoints.hf import CheckpointError, hf_model_fields
-from ablate.engine.engine import MAX_IDLE_WAIT_S, NonFiniteLogits
+from ablate.engine.engine import MAX_IDLE_WAIT_S
+from ablate.engine.runner import NonFiniteLogits
 from ablate.experiment.config import to_run_config
 from ablate.model.config import ModelConfig, preset
 from ablate.model.llama import LlamaModel
@@ -194,7 +195,7 @@ def test_non_finite_logits_in_the_first_step_name_the_model(build, make_requests
     # a sound model runs as before, and its engine checks once
     built = build({})
     assert all(s.is_finished for s in built.engine.run(make_requests([4, 3], 2)))
-    assert built.engine._logits_checked and "forward" not in vars(built.engine.runner)
+    assert built.engine.runner.logits_checked
 
 
 # -- 6. fp16 on a CPU ------------------------------------------------------------------------------

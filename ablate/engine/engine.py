@@ -12,8 +12,6 @@ import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
-import torch
-
 from ablate.api.context import EngineConfig
 from ablate.api.plugin import PluginError, blame
 from ablate.api.sequence import Request, Sequence, Status
@@ -24,10 +22,6 @@ from ablate.measure import device as dev
 from ablate.measure.recorder import StepHook
 
 MAX_IDLE_WAIT_S = 3600.0    # an arrival further away than this is a malformed workload, not a wait
-
-
-class NonFiniteLogits(RuntimeError):
-    """The model's first step gave NaN or infinite logits: every token after it would be garbage."""
 
 
 class Engine:
@@ -41,7 +35,6 @@ class Engine:
         self.hooks = list(hooks)
         self.device = runner.device
         self.seqs: dict[int, Sequence] = {}     # every sequence of the current run, by id
-        self._logits_checked = False            # the first step's logits are checked once for NaN/inf
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self, batch: Batch) -> dict[int, list[int]]:
@@ -50,16 +43,9 @@ class Engine:
         start = dev.now(self.device)
         for hook in self.hooks:
             hook.on_step_start(batch, start)
-        captured = self._capture_logits() if not self._logits_checked else None
-        try:
-            with blame(self.decoding, "step"):
-                emitted = self.decoding.step(self.runner, batch)
-        finally:
-            if captured is not None:
-                self._restore_forward(captured)
+        with blame(self.decoding, "step"):
+            emitted = self.decoding.step(self.runner, batch)
         end = dev.now(self.device)
-        if captured and captured[1:]:
-            self._check_logits(captured[1])
         kept = self.commit(batch, emitted)
         for hook in self.hooks:
             hook.on_step_end(batch, kept, end)
@@ -70,40 +56,6 @@ class Engine:
                 for hook in self.hooks:
                     hook.on_finish(seq, end)
         return kept
-
-    def _capture_logits(self) -> list:
-        """Wrap the runner's forward for one step: [the forward it had, the first non-empty logits].
-        They are checked after the step's end time is taken: the check costs the measurement nothing."""
-        captured: list = [self.runner.__dict__.get("forward")]
-        forward = self.runner.forward
-
-        def capturing(*args, **kwargs):
-            out = forward(*args, **kwargs)
-            logits = getattr(out, "logits", None)
-            if len(captured) == 1 and isinstance(logits, torch.Tensor) and logits.numel():
-                captured.append(logits)
-            return out
-
-        self.runner.forward = capturing
-        return captured
-
-    def _restore_forward(self, captured: list) -> None:
-        if captured[0] is None:
-            del self.runner.forward           # the class's own method again
-        else:
-            self.runner.forward = captured[0]
-
-    def _check_logits(self, logits) -> None:
-        self._logits_checked = True
-        if bool(logits.isfinite().all()):
-            return
-        cfg = getattr(self.runner.model, "config", None)
-        name = getattr(cfg, "name", type(self.runner.model).__name__)
-        source = f" from {cfg.path}" if getattr(cfg, "path", None) else ""
-        raise NonFiniteLogits(
-            f"model {name!r}{source} ({getattr(cfg, 'dtype', '?')}) gave non-finite logits (NaN or inf) in its "
-            "first step: its weights hold NaN/inf, its dtype overflows (fp16: try model.dtype=bf16 or fp32), "
-            "or the arm's attention or kv_cache plugin wrote garbage; every token generated would be meaningless")
 
     def checked(self, batch: Batch) -> Batch:
         """The scheduler's batch, checked, with the draft room the cache holds beyond its new tokens

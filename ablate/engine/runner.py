@@ -15,6 +15,11 @@ from ablate.model.forward import Forward
 from ablate.model.llama import LlamaModel
 
 
+class NonFiniteLogits(ValueError):
+    """The model's first step gave NaN or infinite logits: every token after it would be garbage. A
+    ValueError, so that a decoding plugin's `blame` passes it through: the model is at fault, not it."""
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, attention: Attention, decoding_name: str = "decoding") -> None:
         self.model = model
@@ -23,6 +28,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.decoding_name = decoding_name          # who passes draft tokens, for error messages
         self.fed_drafts: dict[int, list[int]] = {}  # seq_id -> draft tokens fed by the last forward
+        self.logits_checked = False                 # the first logits are checked once for NaN/inf
 
     def inputs(self, batch: Batch, draft_tokens: dict[int, list[int]] | None = None) -> tuple[StepInputs, list[int]]:
         """Pack the batch. Returns the step's inputs and, per sequence, how many logits rows it gets.
@@ -87,4 +93,17 @@ class ModelRunner:
             step = self.kv_cache.begin_step(step)
         hidden = self.model(Forward(step, self.kv_cache, self.attention))        # (T, d)
         logits = self.model.logits(hidden.index_select(0, step.logits_indices))  # (N, V)
+        if not self.logits_checked and logits.numel():    # once: a single sync, in the first (prefill) step
+            self.logits_checked = True
+            self._check_finite(logits)
         return StepLogits(logits, rows)
+
+    def _check_finite(self, logits: torch.Tensor) -> None:
+        if bool(logits.isfinite().all()):
+            return
+        cfg = self.model.config
+        source = f" from {cfg.path}" if cfg.path else ""
+        raise NonFiniteLogits(
+            f"model {cfg.name!r}{source} ({cfg.dtype}) gave non-finite logits (NaN or inf) in its first step: its "
+            "weights hold NaN/inf, its dtype overflows (fp16: try model.dtype=bf16 or fp32), or the arm's "
+            "attention or kv_cache plugin wrote garbage; every token generated would be meaningless")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -25,19 +26,6 @@ def list_plugins() -> None:
 def _debugging() -> bool:
     """HYDRA_FULL_ERROR=1 or ABLATE_DEBUG=1: errors keep their tracebacks."""
     return os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("ABLATE_DEBUG") == "1"
-
-
-def config_error(raw: dict, registry) -> str | None:
-    """The config's validation error (to_run_config and make_plan name the option), on one line,
-    or None when the config is valid."""
-    from ablate.experiment.config import to_run_config
-    from ablate.experiment.plan import make_plan
-
-    try:
-        make_plan(to_run_config(raw, registry), registry)
-    except ValueError as err:
-        return " ".join(str(err).split())
-    return None
 
 
 def main() -> None:
@@ -100,22 +88,20 @@ def _main() -> None:
         raw = OmegaConf.to_container(cfg, resolve=True)
         sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
         job_dir = HydraConfig.get().runtime.output_dir
-        if not _debugging() and (message := config_error(raw, registry)) is not None:
-            if not sweeping:
-                _fail(f"error: {message}", 2)   # SystemExit passes through Hydra's handler: no traceback
-            print(f"{job_prefix()}error: {message}", file=sys.stderr, flush=True)
-            write_job_status(job_dir, "config error", message)     # a sweep goes on with its other jobs
-            return
         try:
             folder = run_job(raw, registry, swallow_errors=sweeping, job_dir=job_dir)
-        except Exception as err:
+        except Exception as err:     # raised before measuring (a config error, a locked folder), or unswallowed
             if not sweeping:
                 if _debugging():
                     raise
-                failure.append(err)       # re-raised outside Hydra, which would print its traceback
+                failure.append(err)       # re-raised outside Hydra, which would print its traceback; main says it
                 return
-            print(f"{job_prefix()}job failed: {type(err).__name__}: {_one_line(err)}", file=sys.stderr, flush=True)
-            write_job_status(job_dir, "failed", f"{type(err).__name__}: {_one_line(err)}")
+            if _debugging():
+                traceback.print_exc()
+            bad_config = isinstance(err, ValueError)      # a sweep goes on with its other jobs
+            message = _one_line(err) if bad_config else f"{type(err).__name__}: {_one_line(err)}"
+            print(f"{job_prefix()}{'error' if bad_config else 'job failed'}: {message}", file=sys.stderr, flush=True)
+            write_job_status(job_dir, "config error" if bad_config else "failed", message)
             return
         if sweeping:
             write_job_status(job_dir, "done" if folder is not None else "failed",

@@ -118,17 +118,17 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
         keep(result.runs, result.requests)
         folder.write_table("summary", result.summary)
         folder.write_text(DECLARATIONS_FILE, result.declared.to_json())
-    except (Exception, SystemExit) as err:       # SystemExit: a plugin calling sys.exit fails its job only
+    except (Exception, SystemExit) as err:       # SystemExit: a sys.exit outside the plugins' calls (theirs fail their arm)
         error = f"{type(err).__name__}: {err}"
         folder.finish("failed", error=error, traceback=traceback.format_exc())
         log_failed_run(cfg.wandb, name=f"{cfg.experiment.name}-{folder.path.name}", group=cfg.experiment.name,
                        tags=_tags(cfg, plan.arms), config=raw, error=error, default_dir=folder.path,
-                       peaks=peaks.record() if peaks else None)
+                       **_wandb_context(env))
         if swallow_errors:   # a sweep goes on; this job is recorded as failed
             say(f"job failed, recorded in {folder.path / 'failed.json'}: {error}")
             return None
         raise
-    warnings, wandb_dir = _publish(cfg, raw, plan.arms, result, folder, peaks, say)
+    warnings, wandb_dir = _publish(cfg, raw, plan.arms, result, folder, env, say)
     folder.finish("done", wandb_dir=wandb_dir, warnings=warnings)
     return folder
 
@@ -149,7 +149,7 @@ def _peaks(cfg: RunConfig, device: torch.device, say) -> hardware.Peaks | None:
 
 
 def _publish(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: ExperimentResult, folder: RunFolder,
-             peaks: hardware.Peaks | None, say) -> tuple[list[str], str | None]:
+             env: dict[str, Any], say) -> tuple[list[str], str | None]:
     """The report, the console table, the sample and W&B: each best effort; returns what failed and
     the W&B run's folder."""
     point_keys = list(cfg.experiment.grid)
@@ -186,9 +186,14 @@ def _publish(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Exper
                         tables={"summary": result.summary, "runs": result.runs, "requests": result.requests,
                                 **ablation_tables},
                         images=figures, default_dir=folder.path, runs=result.runs, point_keys=point_keys,
-                        peaks=peaks.record() if peaks else None)
+                        **_wandb_context(env))
     say(f"\nreport: {report}" + (f"\nW&B run: {wandb_dir}" if wandb_dir else ""))
     return warnings, wandb_dir
+
+
+def _wandb_context(env: dict[str, Any]) -> dict[str, Any]:
+    """environment.json for the W&B config: its peaks at the top (config.peaks), the rest under environment."""
+    return {"peaks": env["peaks"], "environment": {k: v for k, v in env.items() if k != "peaks"}}
 
 
 def _tags(cfg: RunConfig, arms: list[Arm]) -> list[str]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ablate.api.sequence import Sequence
+from ablate.measure.exactness import first_difference
 
 DEGRADED = "degraded"
 
@@ -52,9 +53,8 @@ def token_agreement(baseline: list[Sequence], arm: list[Sequence]) -> float:
         got = by_id.get(want.seq_id)
         if got is None or not want.request.sampling.is_greedy or not want.output_token_ids:
             continue
-        a, b = want.output_token_ids, got.output_token_ids
-        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        shares.append(common / len(a))
+        first = first_difference(want.output_token_ids, got.output_token_ids)
+        shares.append((want.num_output_tokens if first is None else first) / want.num_output_tokens)
     return float(np.mean(shares)) if shares else math.nan
 
 

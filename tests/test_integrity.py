@@ -24,7 +24,7 @@ class WriteOutOfRange(ContiguousKVCache):
 
     def prepare(self, step):
         super().prepare(step)
-        self.write_index = self.write_index + self.k.shape[1] * self.capacity
+        step.plan["write_index"] = step.plan["write_index"] + self.k.shape[1] * self.capacity
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,12 @@ from ablate.api.rows import RowBuffers
 from ablate.api.sampling import Sampler, probabilities
 from ablate.api.sequence import Request, SamplingParams, Sequence, Status
 from ablate.api.slots import Attention, Decoding, ModelVariant, Scheduler
-from ablate.api.step import Batch, StepInputs, StepLogits
+from ablate.api.step import Batch, StepInputs, StepLogits, device_tensor
 
 __all__ = [
     "Attention", "Batch", "BuildContext", "Decoding", "EngineConfig", "Executor", "KVBudgetConfig", "KVCache",
     "KVSpec", "KVView", "ModelSession", "ModelVariant", "PackedKV", "PaddedKV", "PagedKV", "Plugin",
     "PluginConfig", "PluginError", "QualityBound", "Request", "Requirement", "RowBuffers", "Sampler", "SamplingParams",
     "Scheduler", "Sequence", "Slot", "Stat", "StatFigure", "Status", "StepInputs", "StepLogits", "budget_bytes",
-    "causal_mask", "now", "pad_queries", "probabilities", "unpad_queries",
+    "causal_mask", "device_tensor", "now", "pad_queries", "probabilities", "unpad_queries",
 ]

@@ -22,8 +22,13 @@ class EngineConfig:
     max_num_seqs: int = 8                 # sequences running at once (batch slots)
     max_num_batched_tokens: int = 4096    # tokens fed in one step (continuous batching limit)
     max_seq_len: int = 0                  # longest prompt + output; 0 -> taken from the workload
+    # capture decode steps and replay them: CUDA graphs on a GPU, torch.compile on a CPU
+    # (ablate/engine/graphs.py); arms whose plugins are not graph_safe run eagerly, saying why
+    graphs: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.graphs, bool):
+            raise ValueError(f"engine.graphs must be true or false, got {self.graphs!r}")
         for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_seq_len", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):

@@ -14,7 +14,7 @@ import torch
 from ablate.api.kv import KVSpec, KVView
 from ablate.api.plugin import Plugin, PluginConfig, PluginError, Slot, blame
 from ablate.api.sequence import Sequence
-from ablate.api.step import StepInputs
+from ablate.api.step import StepInputs, device_tensor
 
 if TYPE_CHECKING:
     from ablate.api.context import BuildContext
@@ -87,7 +87,7 @@ class KVCache(Plugin):
         if len(kv_lens) != step.num_seqs:
             raise PluginError(self, "prepare", f"returned {len(kv_lens)} kv_lens for {step.num_seqs} sequences")
         step.kv_lens = list(kv_lens)
-        step.kv_lens_t = torch.tensor(step.kv_lens, dtype=torch.int32, device=step.input_ids.device)
+        step.kv_lens_t = device_tensor(step.kv_lens, torch.int32, step.input_ids.device)
         return step
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:

@@ -3,6 +3,7 @@ and the logits that come back (StepLogits)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,14 @@ class Batch:
         return sum(self.num_new_tokens)
 
 
+def device_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`. On a GPU it is staged in pinned memory and copied
+    asynchronously: a copy from pageable memory would wait for the GPU to finish its queue first."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 @dataclass
 class StepInputs:
     """The tensors of one forward pass, built once per step and read by every layer.
@@ -63,13 +72,22 @@ class StepInputs:
     query_starts_t: torch.Tensor   # (B+1,) int32 on the device
     kv_lens: list[int] = field(default_factory=list)      # (B,) keys attention sees; default context_lens
     kv_lens_t: torch.Tensor | None = None                  # (B,) int32 on the device
+    # what the KV cache's prepare() decided for this step (slot mapping, block tables, rows) for its
+    # write() and view() to read. Kept on the step, not the cache, so that a captured decode graph
+    # (engine.graphs) can be replayed for another step: its tensors are copied into the graph's
+    # inputs before each replay, and its other values (ints, slices) are part of the graph's key.
+    plan: dict[str, Any] = field(default_factory=dict)
+    # True while the step is captured into a CUDA graph that later steps of the same shapes replay:
+    # the forward may then read per-sequence lengths only from the tensors (kv_lens_t), never from
+    # the lists, whose values change between replays
+    graphed: bool = False
     _memo: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.kv_lens:
             self.kv_lens = list(self.context_lens)
         if self.kv_lens_t is None:
-            self.kv_lens_t = torch.tensor(self.kv_lens, dtype=torch.int32, device=self.input_ids.device)
+            self.kv_lens_t = device_tensor(self.kv_lens, torch.int32, self.input_ids.device)
 
     @property
     def num_seqs(self) -> int:
@@ -101,11 +119,12 @@ class StepInputs:
     def query_pad_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Scatter packed queries into (B, max_query_len): returns (packed row -> padded row, valid mask)."""
         def make():
-            device = self.input_ids.device
-            lens = torch.tensor(self.query_lens, device=device)                       # (B,)
-            col = torch.arange(self.max_query_len, device=device)                    # (Lq,)
-            valid = col[None, :] < lens[:, None]                                      # (B, Lq)
-            return valid.flatten().nonzero().squeeze(1), valid
+            device, lq = self.input_ids.device, self.max_query_len
+            # built on the host from the lists: a nonzero() on the device would wait for the GPU
+            rows = [b * lq + i for b, n in enumerate(self.query_lens) for i in range(n)]
+            lens = device_tensor(self.query_lens, torch.long, device)                 # (B,)
+            valid = torch.arange(lq, device=device)[None, :] < lens[:, None]          # (B, Lq)
+            return device_tensor(rows, torch.long, device), valid
         return self.memo("query_pad_index", make)
 
 

@@ -10,7 +10,7 @@ import torch
 from ablate.api.kv_cache import KVCache
 from ablate.api.plugin import PluginError, blame
 from ablate.api.slots import Attention
-from ablate.api.step import Batch, StepInputs, StepLogits
+from ablate.api.step import Batch, StepInputs, StepLogits, device_tensor
 from ablate.model.forward import Forward
 from ablate.model.llama import LlamaModel
 
@@ -56,13 +56,13 @@ class ModelRunner:
         dev = self.device
         step = StepInputs(
             seqs=batch.seqs,
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            input_ids=device_tensor(ids, torch.long, dev),
+            positions=device_tensor(positions, torch.long, dev),
             query_lens=query_lens,
             context_lens=context_lens,
             query_starts=query_starts,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            query_starts_t=torch.tensor(query_starts, dtype=torch.int32, device=dev),
+            logits_indices=device_tensor(logits_indices, torch.long, dev),
+            query_starts_t=device_tensor(query_starts, torch.int32, dev),
         )
         return step, logits_rows
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ablate.api import Attention, BuildContext, KVView, PackedKV, PaddedKV, PluginConfig, Stat, StepInputs
+from ablate.api import (Attention, BuildContext, KVView, PackedKV, PaddedKV, PluginConfig, Stat, StepInputs,
+                        device_tensor)
 from ablate_attention.sdpa import SDPAAttention, SDPAConfig
 
 _WARNED: set[str] = set()     # fallback reasons already warned about in this process
@@ -60,14 +61,15 @@ def unsupported_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str 
 
 def packed_context_index(step: StepInputs, padded_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the flattened (B x padded_len) keys that hold real context, in sequence order, and
-    cu_seqlens_k (B+1,) int32: where each sequence's keys start once packed."""
+    cu_seqlens_k (B+1,) int32: where each sequence's keys start once packed. Built on the host from
+    the step's lists: a nonzero() on the device would wait for the GPU."""
     def make():
         device = step.input_ids.device
-        ctx = step.kv_lens_t.long()                                          # (B,)
-        valid = torch.arange(padded_len, device=device)[None, :] < ctx[:, None]   # (B, S)
-        cu = torch.zeros(step.num_seqs + 1, dtype=torch.int32, device=device)
-        cu[1:] = torch.cumsum(ctx, 0)
-        return valid.flatten().nonzero().squeeze(1), cu
+        rows = [b * padded_len + j for b, n in enumerate(step.kv_lens) for j in range(n)]
+        cu = [0]
+        for n in step.kv_lens:
+            cu.append(cu[-1] + n)
+        return device_tensor(rows, torch.long, device), device_tensor(cu, torch.int32, device)
     return step.memo(f"flash_packed_context_{padded_len}", make)
 
 

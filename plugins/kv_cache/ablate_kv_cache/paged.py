@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ablate.api import BuildContext, KVBudgetConfig, KVCache, PagedKV, Sequence, Stat, StepInputs, budget_bytes
+from ablate.api import (BuildContext, KVBudgetConfig, KVCache, PagedKV, Sequence, Stat, StepInputs, budget_bytes,
+                        device_tensor)
 from ablate_kv_cache.block_manager import BlockManager
 from ablate_kv_cache.paging_model import PREDICTION_STATS, predict
 from ablate_kv_cache.slot_cache import check_pool_fits
@@ -58,7 +59,7 @@ class PagedKVCache(KVCache):
         s = self.spec
         self.block_size = bs = config.block_size
         self.block_bytes = bs * s.bytes_per_token
-        blocks_per_seq = -(-s.max_seq_len // bs)
+        self.blocks_per_seq = blocks_per_seq = -(-s.max_seq_len // bs)
         # More blocks than max_num_seqs sequences of the longest length can hold would never be
         # claimed (with prefix caching they would only keep more freed prefixes findable).
         num_blocks = s.max_num_seqs * blocks_per_seq
@@ -76,8 +77,6 @@ class PagedKVCache(KVCache):
         self.manager = BlockManager(num_blocks, bs, config.prefix_caching)
         self.k = torch.zeros(s.num_layers, num_blocks, bs, s.n_kv_heads, s.k_head_dim, dtype=s.dtype, device=s.device)
         self.v = torch.zeros(s.num_layers, num_blocks, bs, s.n_kv_heads, s.v_head_dim, dtype=s.dtype, device=s.device)
-        self._slot_mapping = torch.empty(0, dtype=torch.long)
-        self._block_tables = torch.empty(0, 0, dtype=torch.int32)
         # stats
         self.max_seqs_admitted = 0
         self.blocks_used_peak = 0
@@ -129,24 +128,27 @@ class PagedKVCache(KVCache):
         tables = [manager.block_table(seq.seq_id) for seq in step.seqs]
         self._frag_slots.append(sum(len(t) * bs - ctx for t, ctx in zip(tables, step.context_lens)))
         self._frag_slots_per_seq.append(self._frag_slots[-1] / len(tables))
-        width = max(len(t) for t in tables)
+        # every table as wide as the longest sequence can need, so a step's shapes depend on its
+        # batch size only (a captured decode graph replays for any lengths); padding entries point
+        # at block 0: never read inside a context, masked outside it
+        width = self.blocks_per_seq
+        # slot of the token at position p: its block's physical index * block_size + p % block_size
+        slots = [table[p // bs] * bs + p % bs
+                 for table, n, end in zip(tables, step.query_lens, step.context_lens) for p in range(end - n, end)]
         device = self.spec.device
-        # padding entries point at block 0: never read inside a context, masked outside it
-        self._block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                          dtype=torch.int32, device=device)                  # (B, nb)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(tables), device=device),
-                                               torch.tensor(step.query_lens, device=device))  # (T,)
-        pos = step.positions                                                                   # (T,)
-        self._slot_mapping = self._block_tables[seq_of_token, pos // bs].long() * bs + pos % bs  # (T,)
+        step.plan["block_tables"] = device_tensor([t + [0] * (width - len(t)) for t in tables], torch.int32,
+                                                  device)                                      # (B, width)
+        step.plan["slot_mapping"] = device_tensor(slots, torch.long, device)                  # (T,)
 
     def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v (T, H_kv, D) -> slots of the flattened (num_blocks * block_size, H_kv, D) pool (flatten,
         # not view(-1, ...): MLA's V has zero width, and -1 cannot be inferred from zero elements)
-        self.k[layer].flatten(0, 1).index_copy_(0, self._slot_mapping, k)
-        self.v[layer].flatten(0, 1).index_copy_(0, self._slot_mapping, v)
+        slots = step.plan["slot_mapping"]
+        self.k[layer].flatten(0, 1).index_copy_(0, slots, k)
+        self.v[layer].flatten(0, 1).index_copy_(0, slots, v)
 
     def view(self, layer: int, step: StepInputs) -> PagedKV:
-        return PagedKV(self.k[layer], self.v[layer], self._block_tables)
+        return PagedKV(self.k[layer], self.v[layer], step.plan["block_tables"])
 
     # -- memory ------------------------------------------------------------------------------------
     def bytes_reserved(self) -> int:

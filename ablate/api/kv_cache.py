@@ -48,6 +48,11 @@ class KVCache(Plugin):
 
     slot = Slot.KV_CACHE
     keeps_kv: ClassVar[bool] = True   # False: nothing is kept, the runner feeds each whole prefix every step
+    # True: a decode step can be captured into a CUDA graph (engine.graphs): prepare() puts every
+    # per-step value write() and view() read into step.plan (tensors, or ints/slices that fix the
+    # shapes), write() and view() read nothing else that changes between steps, and nothing waits
+    # for the GPU. A graph is replayed for later steps with the same plan shapes (ablate/engine/graphs.py)
+    graph_safe: ClassVar[bool] = False
 
     def __init__(self, config: PluginConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)

@@ -40,7 +40,7 @@ class RowBuffers:
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         step.plan["read_rows"] = (slice(slots[0], slots[0] + len(slots)) if consecutive
                                   else device_tensor(slots, torch.long, device))               # (B,)
-        step.plan["storage"] = self.k.data_ptr()
+        step.plan["storage"] = (self.k.data_ptr(), tuple(self.k.shape))
 
     def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v (T, H_kv, D) -> rows of the flattened (slots * capacity, H_kv, D) buffer; flatten, not

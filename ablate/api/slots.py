@@ -22,7 +22,7 @@ naming `<slot>=<name>.<method>`, raised by the engine as it runs.
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -46,6 +46,10 @@ class Attention(Plugin):
     """
 
     slot = Slot.ATTENTION
+    # True: a decode step can be captured into a CUDA graph (engine.graphs): the plugin reads
+    # per-sequence lengths from step.kv_lens_t (not the lists) when step.graphed, allocates only
+    # through torch, and never waits for the GPU (.item(), .tolist(), nonzero(), bool(tensor))
+    graph_safe: ClassVar[bool] = False
 
     @property
     def backend(self) -> str:

@@ -1,7 +1,7 @@
 """An arm: one choice of plugin per slot. Building it gives an engine over a shared model."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ablate.api.context import BuildContext, EngineConfig
@@ -18,6 +18,8 @@ from ablate.model.llama import LlamaModel
 BASELINE = {Slot.MODEL: "none", Slot.KV_CACHE: "none", Slot.ATTENTION: "naive",
             Slot.SCHEDULER: "static", Slot.DECODING: "autoregressive"}
 MODEL_KEY = "model"     # an arm spec key that sets model fields rather than a slot's plugin
+ENGINE_KEY = "engine"   # an arm spec key that sets engine options per arm
+ARM_ENGINE_OPTIONS = ("graphs",)   # the engine options an arm may set (the limits are the experiment's)
 
 
 class IncompatiblePlugins(ValueError):
@@ -43,26 +45,33 @@ class ArmSpec:
 
     plugins: dict[Slot, dict[str, Any]] = field(default_factory=dict)   # slot -> {name: ..., option: value}
     model: dict[str, Any] = field(default_factory=dict)                 # e.g. {"n_kv_heads": 1}
+    engine: dict[str, Any] = field(default_factory=dict)                # e.g. {"graphs": True}
 
     @classmethod
     def parse(cls, where: str, raw: dict[str, Any] | None) -> ArmSpec:
-        """{slot: plugin | {name: plugin, option: value}, model: {field: value}} -> ArmSpec."""
+        """{slot: plugin | {name: plugin, option: value}, model: {field: value}, engine: {option: value}}
+        -> ArmSpec."""
         raw = dict(raw or {})
         model = raw.pop(MODEL_KEY, None) or {}
         if not isinstance(model, dict):
             raise ValueError(f"{where}.{MODEL_KEY} must map model fields to values, got {model!r}")
+        engine = raw.pop(ENGINE_KEY, None) or {}
+        options = set(ARM_ENGINE_OPTIONS)
+        if not isinstance(engine, dict) or set(engine) - options:
+            raise ValueError(f"{where}.{ENGINE_KEY} must map engine options ({', '.join(sorted(options))}) to "
+                             f"values, got {engine!r}")
         valid = {s.value for s in Slot}
         unknown = sorted(set(raw) - valid)
         if unknown:
             raise ValueError(f"{where}: unknown slot {', '.join(unknown)}; slots are {', '.join(sorted(valid))} "
-                             f"(and `{MODEL_KEY}` for model fields)")
+                             f"(and `{MODEL_KEY}` for model fields, `{ENGINE_KEY}` for engine options)")
         plugins = {}
         for slot_name, choice in raw.items():
             fields = dict(choice) if isinstance(choice, dict) else {"name": choice}
             if not isinstance(fields.get("name"), str) or not fields["name"]:
                 raise ValueError(f"{where}.{slot_name} needs a plugin `name`, got {choice!r}")
             plugins[Slot(slot_name)] = fields
-        return cls(plugins, dict(model))
+        return cls(plugins, dict(model), dict(engine))
 
 
 @dataclass
@@ -70,10 +79,13 @@ class Arm:
     name: str
     plugins: dict[Slot, PluginConfig]
     model_overrides: dict[str, Any] = field(default_factory=dict)   # e.g. {"n_kv_heads": 1}
+    engine_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {"graphs": True}
 
     def label(self) -> str:
-        """`kv_cache=contiguous attention=naive ...`: the plugins that differ from the baseline."""
+        """`kv_cache=contiguous attention=naive ...`: the plugins and engine options that differ from
+        the baseline."""
         parts = [f"{s.value}={c.name}" for s, c in self.plugins.items() if c.name != BASELINE[s]]
+        parts += [f"engine.{k}={v}" for k, v in sorted(self.engine_overrides.items())]
         return " ".join(parts) or "baseline"
 
 
@@ -88,7 +100,7 @@ def resolve_arm(name: str, spec: ArmSpec | dict[str, Any] | None, base: dict[Slo
         if base[slot].name == fields["name"]:
             fields = {**asdict(base[slot]), **fields}
         plugins[slot] = registry.config(slot, fields["name"], fields)
-    arm = Arm(name, plugins, dict(spec.model))
+    arm = Arm(name, plugins, dict(spec.model), dict(spec.engine))
     check_compatible({s: registry.get(s, c.name) for s, c in arm.plugins.items()})
     return arm
 
@@ -118,9 +130,11 @@ class BuiltArm:
                 raise PluginError(plugin, "stats", f"returned keys that differ from its reported_stats: "
                                   f"missing {missing}, undeclared {extra}")
             out |= {f"{plugin.slot.value}.{k}": v for k, v in values.items()}
-        return out
+        return out | {f"engine.{k}": v for k, v in self.engine.runner.graph_stats().items()}
 
     def close(self) -> None:
+        if self.engine.runner.graphs is not None:
+            self.engine.runner.graphs.close()
         for plugin in self.plugins.values():
             plugin.close()
 
@@ -129,6 +143,7 @@ def build_arm(arm: Arm, model: LlamaModel, engine: EngineConfig, max_seq_len: in
               hooks_for=lambda kv_cache: ()) -> BuiltArm:
     """Instantiate the arm's plugins around `model` (weights shared between arms), in the order
     BuildContext documents: variant, kv_cache, attention, decoding, scheduler."""
+    engine = replace(engine, **arm.engine_overrides)
     def make(slot: Slot, ctx: BuildContext) -> Plugin:
         config = arm.plugins[slot]
         with blame(f"{slot.value}={config.name}", "__init__"):
@@ -151,7 +166,7 @@ def build_arm(arm: Arm, model: LlamaModel, engine: EngineConfig, max_seq_len: in
     decoding: Decoding = make(Slot.DECODING, ctx)
     ctx.num_lookahead_tokens = decoding.num_lookahead_tokens
     scheduler: Scheduler = make(Slot.SCHEDULER, ctx)
-    runner = ModelRunner(model, kv_cache, attention, decoding_name=str(decoding))
+    runner = ModelRunner(model, kv_cache, attention, decoding_name=str(decoding), graphs=engine.graphs)
     plugins = {Slot.MODEL: variant, Slot.KV_CACHE: kv_cache, Slot.ATTENTION: attention,
                Slot.SCHEDULER: scheduler, Slot.DECODING: decoding}
     return BuiltArm(Engine(runner, scheduler, decoding, engine, hooks_for(kv_cache)), plugins)

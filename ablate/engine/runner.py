@@ -11,6 +11,7 @@ from ablate.api.kv_cache import KVCache
 from ablate.api.plugin import PluginError, blame
 from ablate.api.slots import Attention
 from ablate.api.step import Batch, StepInputs, StepLogits, device_tensor
+from ablate.engine.graphs import DecodeGraphs, graph_mode, why_not_capturable
 from ablate.model.forward import Forward
 from ablate.model.llama import LlamaModel
 
@@ -21,11 +22,17 @@ class NonFiniteLogits(ValueError):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, attention: Attention, decoding_name: str = "decoding") -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, attention: Attention, decoding_name: str = "decoding",
+                 graphs: bool = False) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention
         self.device = next(model.parameters()).device
+        # engine.graphs (ablate/engine/graphs.py): decode steps replayed from CUDA graphs on a GPU,
+        # their dense arithmetic compiled on a CPU
+        self.graph_mode = graph_mode(self.device, graphs)
+        self.graphs = (DecodeGraphs(self.device, why_not_capturable(kv_cache, attention))
+                       if self.graph_mode == "cuda-graphs" else None)
         self.decoding_name = decoding_name          # who passes draft tokens, for error messages
         self.fed_drafts: dict[int, list[int]] = {}  # seq_id -> draft tokens fed by the last forward
         self.logits_checked = False                 # the first logits are checked once for NaN/inf
@@ -91,12 +98,26 @@ class ModelRunner:
         step, rows = self.inputs(batch, draft_tokens)
         with blame(self.kv_cache, "prepare"):
             step = self.kv_cache.begin_step(step)
-        hidden = self.model(Forward(step, self.kv_cache, self.attention))        # (T, d)
-        logits = self.model.logits(hidden.index_select(0, step.logits_indices))  # (N, V)
+        if self.graphs is not None and not draft_tokens:
+            logits = self.graphs.run(step, self._logits)                         # (N = B, V)
+        else:
+            logits = self._logits(step)                                          # (N, V)
         if not self.logits_checked and logits.numel():    # once: a single sync, in the first (prefill) step
             self.logits_checked = True
             self._check_finite(logits)
         return StepLogits(logits, rows)
+
+    def _logits(self, step: StepInputs) -> torch.Tensor:
+        """The eager forward pass: packed tokens -> logits (N, V) of the rows that need them."""
+        compile_dense = self.graph_mode == "compile" and step.is_decode
+        hidden = self.model(Forward(step, self.kv_cache, self.attention, compile=compile_dense))   # (T, d)
+        return self.model.logits(hidden.index_select(0, step.logits_indices))                       # (N, V)
+
+    def graph_stats(self) -> dict[str, str | int]:
+        """How decode steps ran: engine.graphs' mode and, with CUDA graphs, captures and replays."""
+        if self.graphs is not None:
+            return self.graphs.stats()
+        return {"graphs": self.graph_mode, "graph_captures": 0, "graph_replays": 0, "graph_eager_steps": 0}
 
     def _check_finite(self, logits: torch.Tensor) -> None:
         if bool(logits.isfinite().all()):

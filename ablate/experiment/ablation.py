@@ -32,7 +32,7 @@ from typing import Any
 import pandas as pd
 
 from ablate.api.plugin import PluginConfig, Slot
-from ablate.engine.arm import BASELINE, MODEL_KEY, Arm, ArmSpec, IncompatiblePlugins, resolve_arm
+from ablate.engine.arm import BASELINE, ENGINE_KEY, MODEL_KEY, Arm, ArmSpec, IncompatiblePlugins, resolve_arm
 from ablate.engine.registry import Registry
 
 BASELINE_ARM = "baseline"
@@ -148,7 +148,7 @@ def arm_spec(cfg: AblationConfig, techniques: frozenset[str]) -> dict[str, Any]:
     for name in cfg.ordered(techniques):
         allowed = cfg.requirements(name)
         for key, value in cfg.technique(name).overrides.items():
-            targets = ([((MODEL_KEY, f), v) for f, v in value.items()] if key == MODEL_KEY else [((key,), value)])
+            targets = ([((key, f), v) for f, v in value.items()] if key in (MODEL_KEY, ENGINE_KEY) else [((key,), value)])
             for target, new in targets:
                 old, owner = _get(spec, target), set_by.get(target)
                 if owner is not None and owner not in allowed and _normal(old) != _normal(new):

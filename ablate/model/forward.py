@@ -25,6 +25,15 @@ class Forward:
     kv_cache: KVCache
     attention: Attention
     checked_layer: int = 0      # the layer whose view and output shapes are checked
+    compile: bool = False       # the layers' dense arithmetic through torch.compile (engine.graphs on a CPU)
+
+    def dense(self, fn, *args):
+        """fn(*args): a layer's arithmetic between the slots (projections, norms, MLP), compiled when
+        asked (ablate/engine/graphs.py: one compiled function shared by every layer and arm)."""
+        if self.compile:
+            from ablate.engine.graphs import compiled    # torch.compile's import costs seconds: on use
+            return compiled(fn)(*args)
+        return fn(*args)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVView:
         """Write this step's k (T, H_kv, D_k), v (T, H_kv, D_v) of `layer`; return the layer's view."""

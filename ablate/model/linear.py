@@ -59,7 +59,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         one_row = x.numel() == x.shape[-1]                                # a matrix-vector product
-        if one_row or w.device.type != "cpu" or w.dtype not in PACKABLE or x.dtype != w.dtype:
+        # under torch.compile (engine.graphs on a CPU) Inductor chooses the product's kernel itself
+        if (one_row or w.device.type != "cpu" or w.dtype not in PACKABLE or x.dtype != w.dtype
+                or torch.compiler.is_compiling()):
             return F.linear(x, w, self.bias)
         key = _weight_key(w)
         if key != self._packed_key:

@@ -131,6 +131,8 @@ def markdown(table: pd.DataFrame, arms: pd.DataFrame, cfg: AblationConfig, runs:
     backends = _attention_backends(runs)
     if backends:
         lines.append(f"- attention that ran: {backends}")
+    if decode_modes(runs):
+        lines.append(f"- {decode_modes(runs)}")
     lines += ["", "### Interactions", "",
               "Per technique: leave-one-out / add-one-in of the same change, per round (for a technique that "
               "others require, adding and removing it together with them). It is 1 when the technique's effect "
@@ -190,6 +192,17 @@ def quality_table(runs: pd.DataFrame) -> pd.DataFrame | None:
         rows.append({"arm": arm, "status": status, "perplexity / baseline": f"{ppl.iloc[0]:.3f}" if len(ppl) else "-",
                      "token agreement": f"{agree.median():.0%}" if len(agree) else "-"})
     return pd.DataFrame(rows)
+
+
+def decode_modes(runs: pd.DataFrame) -> str:
+    """How each arm ran its decode steps under engine.graphs (ablate/engine/graphs.py): "" when no arm
+    asked for graphs, else a note naming the arms that replayed CUDA graphs, compiled, or ran eagerly
+    and why."""
+    if "engine.graphs" not in runs or set(runs["engine.graphs"].dropna()) <= {"eager"}:
+        return ""
+    found = runs.groupby("arm", sort=False)["engine.graphs"].last()
+    return "decode steps: " + "; ".join(f"`{mode}` in {', '.join(group.index)}"
+                                        for mode, group in found.groupby(found, sort=False))
 
 
 def _attention_backends(runs: pd.DataFrame) -> str:

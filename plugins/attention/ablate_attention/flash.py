@@ -76,6 +76,7 @@ def packed_context_index(step: StepInputs, padded_len: int) -> tuple[torch.Tenso
 class FlashAttention(Attention):
     name = "flash"
     config_class = FlashConfig
+    graph_safe = True     # decode over rows reads lengths from kv_lens_t (engine.graphs)
     reported_stats = (Stat("backends", "the implementation that ran, per kind of step", "text", "first"),)
 
     def __init__(self, config: FlashConfig, ctx: BuildContext) -> None:

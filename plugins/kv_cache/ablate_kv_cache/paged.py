@@ -39,6 +39,7 @@ class PagedConfig(KVBudgetConfig):
 class PagedKVCache(KVCache):
     name = "paged"
     config_class = PagedConfig
+    graph_safe = True     # slot mapping and fixed-width block tables are in step.plan
     reported_stats = (
         Stat("kv_block_size", "token slots per block", "tokens"),
         Stat("kv_block_bytes", "bytes per block", "bytes"),

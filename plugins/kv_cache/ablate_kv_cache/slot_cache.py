@@ -57,6 +57,7 @@ class SlotCacheConfig(KVBudgetConfig):
 
 
 class SlotKVCache(RowBuffers, KVCache):
+    graph_safe = True     # the plan (write index, rows, storage) is all in step.plan (ablate/api/rows.py)
     reported_stats = (
         Stat("kv_slots", "rows of the buffer (sequences it can hold)", "count"),
         Stat("kv_capacity_tokens", "tokens per row", "tokens"),

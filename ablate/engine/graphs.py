@@ -1,0 +1,154 @@
+"""engine.graphs: decode steps captured once per batch shape and replayed.
+
+An eager decode step launches ~10 kernels a layer from Python. For a small model on a GPU the
+launches, not the weights, then set the step time (llama-3.2-1b in bf16 reads its 2.5 GB of weights
+in ~0.6 ms on an H200, while its eager step took ~9 ms here), so every technique's speedup would
+measure Python. A CUDA graph records a step's kernels once and replays them with one launch, as
+nano-vllm and vLLM do. On a CPU there is no launch to save; there the same option compiles the
+layers' dense arithmetic with torch.compile (Inductor's C++ backend: norms, RoPE and the SwiGLU
+fused around the matrix products), so the path is exercised and measured here too.
+
+What is captured: decode steps (one new token per sequence, no drafts) of an arm whose KV cache and
+attention declare `graph_safe`. A graph is keyed by everything that fixes its shapes and addresses:
+the batch size, the shapes of the step's tensors, and the cache plan's other values (a slice of
+rows, a storage address). Before each replay the live step's tensors are copied into the graph's.
+
+Trust, but verify: the first time a graph replays a step other than the one it was captured on, the
+step also runs eagerly and the logits must agree. A plugin that reads a per-step Python value would
+diverge there; the arm then runs eagerly from that step on, and says why.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from ablate.api.step import StepInputs
+
+STEP_TENSORS = tuple(f.name for f in fields(StepInputs) if f.name in
+                     ("input_ids", "positions", "logits_indices", "query_starts_t", "kv_lens_t"))
+
+
+@functools.cache
+def compiled(fn: Callable) -> Callable:
+    """`fn` through torch.compile, once per function: every layer and arm shares the compiled code
+    (parameters are inputs, not constants), and dynamic shapes spare a recompile per batch size."""
+    return torch.compile(fn, dynamic=True)
+
+
+def graph_mode(device: torch.device, enabled: bool) -> str:
+    """What engine.graphs does on this device: "cuda-graphs", "compile" or "eager"."""
+    if not enabled:
+        return "eager"
+    return "cuda-graphs" if device.type == "cuda" else "compile"
+
+
+def why_not_capturable(kv_cache, attention) -> str | None:
+    """Why an arm's decode steps cannot be captured, or None when they can."""
+    if not kv_cache.keeps_kv:
+        return f"kv_cache={kv_cache.name} keeps no K/V: every step feeds the whole prefix"
+    for plugin in (kv_cache, attention):
+        if not plugin.graph_safe:
+            return f"{plugin.slot.value}={plugin.name} does not declare graph_safe"
+    return None
+
+
+def graph_key(step: StepInputs) -> tuple:
+    """What fixes a captured graph: the batch size, the plan's tensor shapes and its other values."""
+    parts: list = [step.num_seqs]
+    for name, value in sorted(step.plan.items()):
+        if isinstance(value, torch.Tensor):
+            parts.append((name, tuple(value.shape), value.dtype))
+        elif isinstance(value, slice):
+            parts.append((name, value.start, value.stop, value.step))
+        else:
+            parts.append((name, value))
+    return tuple(parts)
+
+
+@dataclass
+class _Graph:
+    step: StepInputs                          # the graph's own inputs: live values are copied in
+    logits: torch.Tensor | None = None        # (B, V) the graph's output
+    graph: torch.cuda.CUDAGraph | None = None  # None when emulated
+    verified: bool = False
+
+
+class DecodeGraphs:
+    """CUDA graphs of one arm's decode steps: `run(step, forward)` replays (capturing on first sight)
+    the graph of the step's key; `forward(step) -> logits` is the eager step it stands for.
+
+    emulate=True (tests on a CPU): a "replay" runs `forward` on the graph's own step, whose lists
+    keep the values of the step it was captured on, exactly what a real graph bakes in; so a plugin
+    that is not graph-safe is caught on a machine without a GPU."""
+
+    def __init__(self, device: torch.device, unsupported: str | None, emulate: bool = False) -> None:
+        self.device = device
+        self.emulate = emulate
+        self.disabled = unsupported            # why this arm runs eagerly (None: it captures)
+        self.graphs: dict[tuple, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if unsupported is None and not emulate else None
+        self.num_captures = self.num_replays = self.num_eager = 0
+
+    def run(self, step: StepInputs, forward: Callable[[StepInputs], torch.Tensor]) -> torch.Tensor:
+        if self.disabled is not None or not step.is_decode:
+            self.num_eager += 1
+            return forward(step)
+        key = graph_key(step)
+        graph = self.graphs.get(key)
+        if graph is None:
+            return self._capture(key, step, forward)
+        for name in STEP_TENSORS:
+            getattr(graph.step, name).copy_(getattr(step, name), non_blocking=True)
+        for name, value in step.plan.items():
+            if isinstance(value, torch.Tensor):
+                graph.step.plan[name].copy_(value, non_blocking=True)
+        if self.emulate:
+            logits = forward(replace(graph.step, _memo={}))
+        else:
+            graph.graph.replay()
+            logits = graph.logits.clone()      # the next replay overwrites the graph's output
+        self.num_replays += 1
+        if not graph.verified:
+            graph.verified = True
+            expected = forward(step)           # rewrites the same K/V with the same values
+            if not torch.allclose(logits, expected, rtol=1e-3, atol=1e-3):
+                self.disabled = ("a replayed graph disagreed with the eager step: a plugin reads a per-step "
+                                 "value outside step.plan and the step's tensors")
+                self.graphs.clear()
+                return expected
+        return logits
+
+    def _capture(self, key: tuple, live: StepInputs, forward: Callable[[StepInputs], torch.Tensor]) -> torch.Tensor:
+        """Capture the step's graph; returns the step's logits (from the warm-up run, which is eager)."""
+        step = replace(live, plan={n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in live.plan.items()},
+                       graphed=True, _memo={}, **{n: getattr(live, n).clone() for n in STEP_TENSORS})
+        self.num_captures += 1
+        if self.emulate:
+            self.graphs[key] = _Graph(step)
+            return forward(replace(step, _memo={}))
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):           # warm-up off the capture: kernels compile and tune here
+            logits = forward(replace(step, _memo={}))
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = forward(replace(step, _memo={}))
+        except RuntimeError as err:            # a sync or a pageable copy the capture refuses
+            self.disabled = f"capture failed: {str(err).splitlines()[0]}"
+            self.graphs.clear()
+            return logits
+        self.graphs[key] = _Graph(step, out, graph)
+        return logits
+
+    def stats(self) -> dict[str, str | int]:
+        state = "cuda-graphs" if self.disabled is None else f"eager ({self.disabled})"
+        return {"graphs": state, "graph_captures": self.num_captures, "graph_replays": self.num_replays,
+                "graph_eager_steps": self.num_eager}
+
+    def close(self) -> None:
+        self.graphs.clear()

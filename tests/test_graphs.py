@@ -1,0 +1,115 @@
+"""engine.graphs: decode steps captured and replayed (ablate/engine/graphs.py).
+
+A CPU has no CUDA graphs, but their semantics can be emulated exactly: a replay runs the forward on
+the graph's own step, whose lists keep the values of the step it was captured on (what a real
+graph bakes in) while its tensors take the live step's values. Every built-in graph-safe cache and
+attention must then give the eager tokens; a plugin that claims graph safety but reads a list is
+caught by the first replay's check and the arm falls back to eager, saying so."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from ablate.api.kv import PaddedKV
+from ablate.engine.arm import ArmSpec
+from ablate.engine.graphs import DecodeGraphs, graph_key, graph_mode, why_not_capturable
+from ablate_attention.sdpa import SDPAAttention, SDPAConfig
+
+PROMPT_LENS = [3, 11, 17, 30, 5]
+MAX_NEW = [9, 4, 13, 6, 11]
+
+
+def emulate_graphs(built) -> DecodeGraphs:
+    runner = built.engine.runner
+    runner.graphs = DecodeGraphs(runner.device, why_not_capturable(runner.kv_cache, runner.attention), emulate=True)
+    return runner.graphs
+
+
+def run_tokens(built, requests) -> list[list[int]]:
+    return [s.output_token_ids for s in built.engine.run(requests)]
+
+
+@pytest.mark.parametrize("spec", [
+    {"kv_cache": "contiguous", "attention": "sdpa"},
+    {"kv_cache": "contiguous", "attention": "flash"},
+    {"kv_cache": {"name": "dynamic", "initial_tokens": 4}, "attention": "sdpa"},   # reallocates: new graphs
+    {"kv_cache": {"name": "paged", "block_size": 4}, "attention": "sdpa"},
+    {"kv_cache": "contiguous", "attention": "sdpa", "scheduler": "continuous"},
+    {"kv_cache": {"name": "paged", "block_size": 4}, "attention": "sdpa", "scheduler": "continuous"},
+], ids=["contiguous-sdpa", "contiguous-flash", "dynamic-growing", "paged", "continuous", "paged-continuous"])
+def test_replayed_decode_steps_give_the_eager_tokens(spec, build, make_requests):
+    eager = run_tokens(build(spec), make_requests(PROMPT_LENS, MAX_NEW))
+    built = build(spec)
+    graphs = emulate_graphs(built)
+    assert run_tokens(built, make_requests(PROMPT_LENS, MAX_NEW)) == eager
+    assert graphs.disabled is None, graphs.disabled
+    assert graphs.num_captures >= 1 and graphs.num_replays >= 1
+    assert graphs.num_eager >= 1          # the prefill steps
+
+
+def test_a_plugin_that_reads_the_lists_is_caught_and_runs_eagerly(build, make_requests, registry):
+    class ReadsLists(SDPAAttention):
+        """Claims graph safety but slices the keys to the step's longest length (a list value)."""
+        graph_safe = True
+
+        def __call__(self, q, view, step):
+            trimmed = PaddedKV(view.k[:, :step.max_kv_len], view.v[:, :step.max_kv_len])
+            return super().__call__(q, trimmed, step)
+
+    spec = {"kv_cache": "contiguous", "attention": "sdpa"}
+    eager = run_tokens(build(spec), make_requests(PROMPT_LENS, MAX_NEW))
+    built = build(spec)
+    runner = built.engine.runner
+    runner.attention = ReadsLists(SDPAConfig(), None)
+    graphs = emulate_graphs(built)
+    assert run_tokens(built, make_requests(PROMPT_LENS, MAX_NEW)) == eager
+    assert graphs.disabled is not None and "disagreed" in graphs.disabled
+    assert built.stats()["engine.graphs"].startswith("eager (")
+
+
+@pytest.mark.parametrize("spec, reason", [
+    ({"kv_cache": "none"}, "keeps no K/V"),
+    ({"kv_cache": "contiguous", "attention": "naive"}, "attention=naive does not declare graph_safe"),
+])
+def test_arms_that_cannot_be_captured_say_why(spec, reason, build):
+    runner = build(spec).engine.runner
+    assert reason in why_not_capturable(runner.kv_cache, runner.attention)
+
+
+def test_graph_key_separates_shapes_and_rows():
+    class Step:
+        def __init__(self, b, plan):
+            self.num_seqs, self.plan = b, plan
+    a = graph_key(Step(2, {"write_index": torch.zeros(2, dtype=torch.long), "read_rows": slice(0, 2)}))
+    assert a == graph_key(Step(2, {"write_index": torch.ones(2, dtype=torch.long), "read_rows": slice(0, 2)}))
+    assert a != graph_key(Step(2, {"write_index": torch.zeros(2, dtype=torch.long), "read_rows": slice(1, 3)}))
+    assert a != graph_key(Step(3, {"write_index": torch.zeros(3, dtype=torch.long), "read_rows": slice(0, 3)}))
+
+
+def test_graph_mode_per_device():
+    assert graph_mode(torch.device("cpu"), False) == "eager"
+    assert graph_mode(torch.device("cpu"), True) == "compile"
+    assert graph_mode(torch.device("cuda", 0), True) == "cuda-graphs"
+
+
+def test_compiled_decode_on_the_cpu_matches_eager(build, make_requests, registry, tiny_model):
+    from ablate.api.context import EngineConfig
+    from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
+    spec = {"kv_cache": "contiguous", "attention": "sdpa"}
+    eager = run_tokens(build(spec), make_requests(PROMPT_LENS, MAX_NEW))
+    arm = resolve_arm("graphs", {**spec, "engine": {"graphs": True}}, baseline_configs(registry), registry)
+    built = build_arm(arm, tiny_model, EngineConfig(max_num_seqs=8), 64, registry)
+    assert run_tokens(built, make_requests(PROMPT_LENS, MAX_NEW)) == eager
+    assert built.stats()["engine.graphs"] == "compile"
+    assert arm.label().endswith("engine.graphs=True")
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"engine": {"max_num_seqs": 4}}, "engine options (graphs)"),
+    ({"engine": "graphs"}, "engine options (graphs)"),
+])
+def test_arm_engine_options_are_checked(raw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ArmSpec.parse("arm 'x'", raw)

@@ -221,7 +221,7 @@ def test_ablation_job_end_to_end_on_the_tiny_model(compose_config, registry, tmp
     raw = compose_config(tmp_path, "+experiment=ablation", "model=tiny", "model.init=random", "workload.source=random",
                          "workload.num_requests=2", "workload.prompt_len=8", "workload.output_len=3",
                          "workload.output_len_max=4", "experiment.repeats=2", "experiment.warmup=0",
-                         *(f"~experiment.ablation.techniques.{t}" for t in ("speculative", "flash_attention", "gqa")))
+                         *(f"~experiment.ablation.techniques.{t}" for t in ("speculative", "flash_attention", "gqa", "graphs")))
     folder = run_job(raw, registry)
     arms = pd.read_csv(folder.path / f"{ARMS_TABLE}.csv", keep_default_na=False)
     assert list(arms["arm"]) == ["baseline", "full", "+kv_cache", "+paged", "+continuous_batching", "-paged"]

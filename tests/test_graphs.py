@@ -113,3 +113,13 @@ def test_compiled_decode_on_the_cpu_matches_eager(build, make_requests, registry
 def test_arm_engine_options_are_checked(raw, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         ArmSpec.parse("arm 'x'", raw)
+
+
+def test_graphs_is_a_technique_of_the_ablation(registry):
+    from ablate.experiment.ablation import arm_spec, parse_ablation
+    cfg = parse_ablation({"techniques": {"kv_cache": {"overrides": {"kv_cache": "contiguous"}},
+                                         "graphs": {"overrides": {"engine": {"graphs": True}},
+                                                    "requires": ["kv_cache"]}}})
+    spec = arm_spec(cfg, frozenset({"kv_cache", "graphs"}))
+    assert spec == {"kv_cache": "contiguous", "engine": {"graphs": True}}
+    assert ArmSpec.parse("arm '+graphs'", spec).engine == {"graphs": True}

@@ -34,7 +34,7 @@ def sequence_logits(model: LlamaModel, token_ids: list[int], attention: Attentio
 
 @torch.inference_mode()
 def token_nlls(model: LlamaModel, token_ids: list[int], window: int = 512, stride: int = 256) -> torch.Tensor:
-    """-log p(x_i | context) for i = 1 .. N-1, fp32, (N-1,): every token but the first, each once.
+    """-log p(x_i | context) for i = 1 .. N-1, fp32 on the CPU, (N-1,): every token but the first, each once.
 
     Sliding window: windows [b, min(b + window, N)) for b = 0, stride, 2 stride, ... until one
     reaches the end; a window scores only the tokens no earlier window scored, so each scored
@@ -48,7 +48,8 @@ def token_nlls(model: LlamaModel, token_ids: list[int], window: int = 512, strid
         raise ValueError(f"need 0 < stride <= window, got stride={stride}, window={window}")
     if window > model.config.max_seq_len:
         raise ValueError(f"window {window} exceeds the model's max_seq_len {model.config.max_seq_len}")
-    nll = torch.empty(n - 1, dtype=torch.float32)
+    # on the model's device, where the logits are: writing CUDA rows into a CPU buffer would sync every window
+    nll = torch.empty(n - 1, dtype=torch.float32, device=next(model.parameters()).device)
     scored_to, begin = 1, 0              # token 0 has no context and is never predicted
     while True:
         end = min(begin + window, n)
@@ -59,7 +60,7 @@ def token_nlls(model: LlamaModel, token_ids: list[int], window: int = 512, strid
         nll[first - 1:end - 1] = -torch.log_softmax(rows, dim=-1).gather(1, targets).squeeze(1)
         scored_to = end
         if end == n:
-            return nll
+            return nll.cpu()
         begin += stride
 
 

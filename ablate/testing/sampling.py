@@ -53,14 +53,16 @@ def cyclic_model(base: LlamaModel, cycle: int = CYCLE, successor_logit: float = 
     zeroed, so the final hidden state is the normalised embedding of the current token x; embedding
     rows one-hot on dim x mod d (scaled so RMSNorm keeps them), and LM-head rows such that
     logit(y | x) = successor_logit when y = (x + 1) mod cycle, else 0."""
-    model = LlamaModel.random(base.config)
+    device = next(base.parameters()).device
+    model = LlamaModel.random(base.config, device)
     d, vocab = model.config.d_model, model.config.vocab_size
     for layer in model.layers:
         layer.attn.wo.weight.zero_()
         layer.mlp.w_down.weight.zero_()
-    embed = torch.zeros(vocab, d)
-    embed[torch.arange(vocab), torch.arange(vocab) % d] = d ** 0.5           # RMS 1: the final norm keeps it
-    head = torch.zeros(vocab, d)
+    embed = torch.zeros(vocab, d, device=device)
+    tokens = torch.arange(vocab, device=device)
+    embed[tokens, tokens % d] = d ** 0.5                                       # RMS 1: the final norm keeps it
+    head = torch.zeros(vocab, d, device=device)
     for x in range(d):                                                         # tokens sharing dim x mod d
         head[(x + 1) % cycle, x] = successor_logit / d ** 0.5
     model.embed.weight.copy_(embed.to(model.embed.weight.dtype))
@@ -76,9 +78,11 @@ def cyclic_prompts(num: int, lengths: list[tuple[int, int]], vocab_size: int, se
     out = []
     for i in range(num):
         p, n = lengths[i % len(lengths)]
-        start = int(torch.randint(CYCLE, (1,), generator=rng))
-        noise = torch.rand(p, generator=rng) < 0.15
-        prompt = [(start + j) % CYCLE if not noise[j] else int(torch.randint(vocab_size, (1,), generator=rng))
+        # host-side: token ids drawn from a seeded CPU generator
+        start = int(torch.randint(CYCLE, (1,), generator=rng, device="cpu"))
+        noise = torch.rand(p, generator=rng, device="cpu") < 0.15
+        prompt = [(start + j) % CYCLE if not noise[j]
+                  else int(torch.randint(vocab_size, (1,), generator=rng, device="cpu"))
                   for j in range(p)]
         out.append((tuple(prompt), n))
     return out
@@ -88,7 +92,7 @@ def ks_p_value(u: torch.Tensor) -> float:
     """Kolmogorov-Smirnov test of u against U(0, 1): the asymptotic p-value (Stephens' correction)."""
     n = u.numel()
     s = u.double().sort().values
-    i = torch.arange(1, n + 1, dtype=torch.float64)
+    i = torch.arange(1, n + 1, dtype=torch.float64, device=s.device)
     d = float(torch.maximum(i / n - s, s - (i - 1) / n).max())
     lam = (math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d
     p = 2 * sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 101))
@@ -102,9 +106,10 @@ def sampling_statistics(model: LlamaModel, seqs, params: SamplingParams, seed: i
     for seq in seqs:
         p0, out = seq.num_prompt_tokens, seq.output_token_ids
         logits = sequence_logits(model, seq.token_ids[:-1])[p0 - 1:]           # (n, V): row t predicts out[t]
-        probs = probabilities(logits, params).double()                          # (n, V)
-        x = torch.tensor(out)
-        p_x = probs[torch.arange(len(out)), x]                                  # (n,)
+        # the statistics on the CPU, where the seeded generator draws the randomised PIT
+        probs = probabilities(logits, params).double().cpu()                    # (n, V)
+        x = torch.tensor(out, device="cpu")
+        p_x = probs[torch.arange(len(out), device="cpu"), x]                    # (n,)
         if bool((p_x == 0).any()):
             raise ValueError(f"request {seq.seq_id} emitted a token the target gives probability 0")
         logp = torch.where(probs > 0, probs.log(), torch.zeros_like(probs))
@@ -115,7 +120,7 @@ def sampling_statistics(model: LlamaModel, seqs, params: SamplingParams, seed: i
         ranked, _ = probs.sort(dim=-1, descending=True)
         above = (ranked * (ranked > p_x[:, None])).sum(-1)                      # mass of strictly likelier tokens
         ties = (probs == p_x[:, None]).sum(-1)                                  # x shares its rank with ties
-        pits.append(above + torch.rand(len(out), generator=gen, dtype=torch.float64) * p_x * ties)
+        pits.append(above + torch.rand(len(out), generator=gen, dtype=torch.float64, device="cpu") * p_x * ties)
     ll, m, v = torch.cat(lls), torch.cat(means), torch.cat(variances)
     z = float((ll - m).sum() / v.sum().sqrt())
     return z, ks_p_value(torch.cat(pits)), ll.numel()

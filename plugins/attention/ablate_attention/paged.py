@@ -2,10 +2,14 @@
 
 Decode steps (one query per sequence) call ablate_kernels.paged_decode_attention, which walks each
 sequence's block table inside the kernel, where Triton can run (a CUDA GPU, or the CPU under
-TRITON_INTERPRET=1). Elsewhere, and for steps that feed more than one token (prefill, chunks),
-the PyTorch path gathers every sequence's blocks through its table into (B, S, H_kv, D) and runs
-SDPA under the causal mask. The backend that ran is recorded per kind of step; falling back to
-PyTorch for decode is said once, never silent.
+TRITON_INTERPRET=1) and the kernel takes the shapes (ablate_attention.flash.unsupported_shape: a
+head dim that is a power of two in 16..256, K and V of that same width, fp16/bf16/fp32). Elsewhere,
+and for steps that feed more than one token (prefill, chunks), the PyTorch path gathers every
+sequence's blocks through its table into (B, S, H_kv, D) and runs SDPA under the causal mask.
+
+backend=triton refuses, when the plugin is built, a device or a model the kernel cannot take;
+backend=auto falls back to the PyTorch path per call, warning once per reason in the process. The
+backend that ran is recorded per kind of step, with the reason when the kernel was passed over.
 """
 from __future__ import annotations
 
@@ -15,11 +19,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ablate.api import (Attention, KVView, PagedKV, PluginConfig, Requirement, Slot, Stat, StepInputs, causal_mask,
-                        pad_queries, unpad_queries)
+from ablate.api import (Attention, BuildContext, KVView, PagedKV, PluginConfig, Requirement, Slot, Stat, StepInputs,
+                        causal_mask, pad_queries, unpad_queries)
+from ablate_attention.flash import unsupported_shape
 
 BACKENDS = ("auto", "triton", "torch")
-_warned_devices: set[str] = set()   # warn once per device type per process, not once per arm
+_warned: set[str] = set()   # fallback reasons already warned about: once per process, not once per arm
 
 
 @dataclass
@@ -43,29 +48,70 @@ def gathered_attention(q: torch.Tensor, view: KVView, step: StepInputs) -> torch
     return unpad_queries(out.transpose(1, 2), step)            # (T, H, D)
 
 
+def decode_shape_problem(ctx: BuildContext) -> str | None:
+    """Why the kernel cannot take this model's decode steps, as far as the build context tells, or None.
+
+    MHA decodes queries of model.head_dim over the cache's K and V widths; MLA's absorbed decode
+    queries the cached rows [c, k^R] themselves, K = V = those rows (kv_latent_dim + rope_head_dim)."""
+    spec = ctx.kv_spec
+    if getattr(ctx.model.config, "attention_kind", "mha") == "mla":
+        widths = (spec.k_head_dim, spec.k_head_dim, spec.k_head_dim)
+    else:
+        widths = (ctx.model.config.head_dim, spec.k_head_dim, spec.v_head_dim)
+    # shape-only stand-ins: the check each decode step runs (flash's unsupported_shape) decides here too
+    q, k, v = (torch.empty(0, width, dtype=spec.dtype, device="meta") for width in widths)
+    return unsupported_shape(q, k, v)
+
+
+def _mla_hint(ctx: BuildContext) -> str:
+    """For MLA, where the width the kernel sees comes from."""
+    cfg = ctx.model.config
+    if getattr(cfg, "attention_kind", "mha") != "mla":
+        return ""
+    return (f" (MLA decodes over the cached rows, model.kv_latent_dim + model.rope_head_dim = "
+            f"{cfg.kv_latent_dim} + {cfg.rope_head_dim} wide; with variant=mla those are variant.rank and "
+            "2 x variant.rope_frequencies x the source's n_kv_heads)")
+
+
+def _warn_once(reason: str, message: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(message, stacklevel=3)
+
+
 class PagedAttention(Attention):
     name = "paged"
     config_class = PagedAttentionConfig
+    graph_safe = True     # the decode kernel reads lengths and block tables from tensors
     requires = (Requirement(Slot.KV_CACHE, frozenset({"paged"}), "reads K/V through block tables"),)
     reported_stats = (Stat("backends", "the implementation that ran, per kind of step", "text", "first"),)
 
-    def __init__(self, config: PagedAttentionConfig, ctx) -> None:
+    def __init__(self, config: PagedAttentionConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
         import ablate_kernels  # imported here: TRITON_INTERPRET must be set before triton is imported
 
         self._kernel = ablate_kernels.paged_decode_attention
         device = ctx.device
         runnable = ablate_kernels.triton_available(device)
-        if config.backend == "triton" and not runnable:
-            raise RuntimeError(f"attention=paged backend=triton: the Triton kernel cannot run on {device} "
-                               "(it needs a CUDA GPU, or TRITON_INTERPRET=1 set before triton is imported); "
-                               "use attention.backend=auto or torch")
+        if config.backend == "triton":
+            if not runnable:   # a bad option, like the shapes below: the job stops with this one message
+                raise ValueError(f"attention=paged backend=triton: the Triton kernel cannot run on {device} "
+                                 "(it needs a CUDA GPU, or TRITON_INTERPRET=1 set before triton is imported); "
+                                 "use attention.backend=auto or torch")
+            why = decode_shape_problem(ctx)
+            if why is not None:
+                raise ValueError(f"attention=paged backend=triton: the paged-decode kernel cannot take model "
+                                 f"{ctx.model.config.name!r}: {why}{_mla_hint(ctx)}; use attention.backend=auto "
+                                 "(the PyTorch block-table gather where the kernel cannot run, recorded as such) "
+                                 "or attention.backend=torch")
         self.use_triton = runnable and config.backend != "torch"
-        if config.backend == "auto" and not runnable and device.type not in _warned_devices:
-            _warned_devices.add(device.type)
-            warnings.warn(f"attention=paged: the Triton paged-decode kernel cannot run on {device} (it needs a CUDA "
-                          "GPU, or TRITON_INTERPRET=1 before triton is imported); decode steps use the PyTorch "
-                          "block-table gather instead, recorded as backend 'torch'", stacklevel=2)
+        self.graph_safe = self.use_triton     # the PyTorch gather sizes its tensors from the lists
+        self.forced = config.backend == "triton"
+        if config.backend == "auto" and not runnable:
+            _warn_once(f"device {device.type}",
+                       f"attention=paged: the Triton paged-decode kernel cannot run on {device} (it needs a CUDA "
+                       "GPU, or TRITON_INTERPRET=1 before triton is imported); decode steps use the PyTorch "
+                       "block-table gather instead, recorded as backend 'torch'")
         self.backends: dict[str, str] = {}    # kind of step (decode, prefill) -> implementation that ran
 
     @property
@@ -74,17 +120,25 @@ class PagedAttention(Attention):
         return f"paged({ran})" if ran else "paged"
 
     def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs) -> torch.Tensor:
-        if not isinstance(view, PagedKV):
-            # K/V the model built from the cached rows itself (MLA's explicit path up-projects its
-            # latents into padded K and V): no block tables to walk, the generic path reads them
-            self.backends.setdefault("unpaged", "torch")
+        kind = "decode" if step.is_decode else "prefill"
+        # K/V the model built from the cached rows itself (MLA's explicit path up-projects its latents
+        # into a PaddedKV) have no block tables to walk: the generic gather reads any view
+        if not (step.is_decode and self.use_triton and isinstance(view, PagedKV)):
+            self.backends.setdefault(kind, "torch")
             return gathered_attention(q, view, step)
-        if step.is_decode and self.use_triton:
-            self.backends["decode"] = "triton"
-            # q (B, H, D): one query per sequence; keys of sequence b at block_tables[b, p // bs], p % bs
-            return self._kernel(q, view.k_cache, view.v_cache, view.block_tables, step.kv_lens_t)
-        self.backends.setdefault("decode" if step.is_decode else "prefill", "torch")
-        return gathered_attention(q, view, step)
+        why = unsupported_shape(q, view.k_cache, view.v_cache)
+        if why is not None and self.forced:    # the build-time check covers the model; this is a surprise
+            raise ValueError(f"attention=paged backend=triton: the paged-decode kernel cannot take this step: "
+                             f"{why}; use attention.backend=auto or torch")
+        if why is not None:
+            self.backends[kind] = f"torch({why})"
+            _warn_once(why, f"attention=paged: {why}, which the Triton paged-decode kernel does not take; decode "
+                            "steps use the PyTorch block-table gather instead, recorded as backend 'torch(<why>)'")
+            return gathered_attention(q, view, step)
+        self.backends[kind] = "triton"
+        # q (B, H, D): one query per sequence; keys of sequence b at block_tables[b, p // bs], p % bs
+        return self._kernel(q, view.k_cache, view.v_cache, view.block_tables, step.kv_lens_t)
 
     def stats(self) -> dict[str, str]:
         return {"backends": self.backend}
+

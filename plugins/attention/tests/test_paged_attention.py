@@ -86,7 +86,7 @@ def test_greedy_tokens_through_the_triton_kernel_equal_the_baseline(ablate_regis
 
 def test_the_backend_that_ran_is_recorded_and_a_fallback_is_said(ablate_registry, ablate_tiny_model, monkeypatch):
     monkeypatch.setattr(ablate_kernels, "triton_available", lambda device: False)
-    monkeypatch.setattr(paged_attention, "_warned_devices", set())
+    monkeypatch.setattr(paged_attention, "_warned", set())
     arm = resolve_arm("t", {"kv_cache": "paged", "attention": "paged"}, baseline_configs(ablate_registry),
                       ablate_registry)
     with pytest.warns(UserWarning, match="decode steps use the PyTorch block-table gather"):
@@ -95,7 +95,7 @@ def test_the_backend_that_ran_is_recorded_and_a_fallback_is_said(ablate_registry
     assert built.plugins[Slot.ATTENTION].backend == "paged(decode=torch,prefill=torch)"
     forced = resolve_arm("t", {"kv_cache": "paged", "attention": {"name": "paged", "backend": "triton"}},
                          baseline_configs(ablate_registry), ablate_registry)
-    with pytest.raises(RuntimeError, match="backend=triton: the Triton kernel cannot run on cpu"):
+    with pytest.raises(ValueError, match="backend=triton: the Triton kernel cannot run on cpu"):
         build_arm(forced, ablate_tiny_model, EngineConfig(max_num_seqs=2), 16, ablate_registry)
 
 

@@ -33,13 +33,14 @@ class Verdict:
 def accept_drafts(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
                   generator: torch.Generator) -> Verdict:
     """p (k+1, V) target distributions, drafts (k,), q (k, V) draft distributions or None (one-hot)."""
+    # on the CPU, where the request's generator is: k + 1 rows, and the draws stay reproducible by seed
     p = p.cpu()
     k = len(drafts)
-    x = torch.tensor(drafts, dtype=torch.long)                       # (k,)
-    rows = torch.arange(k)
+    x = torch.tensor(drafts, dtype=torch.long, device="cpu")         # (k,)
+    rows = torch.arange(k, device="cpu")
     p_x = p[rows, x]                                                 # (k,) p_i(x_i)
-    q_x = q.cpu()[rows, x] if q is not None else torch.ones(k)       # (k,) q_i(x_i)
-    u = torch.rand(k, generator=generator)                           # (k,) U[0, 1)
+    q_x = q.cpu()[rows, x] if q is not None else torch.ones(k, device="cpu")   # (k,) q_i(x_i)
+    u = torch.rand(k, generator=generator, device="cpu")             # (k,) U[0, 1)
     accepted = u * q_x < p_x                                         # u < p/q, without dividing by q
     num_accepted = int(accepted.long().cumprod(0).sum())             # the run of acceptances from the start
     if num_accepted == k:

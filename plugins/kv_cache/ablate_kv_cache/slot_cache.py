@@ -75,7 +75,7 @@ class SlotKVCache(RowBuffers, KVCache):
         self._frag_slots_per_seq: list[float] = []   # per step: row capacity not holding a token, per sequence
         self.slot_of: dict[int, int] = {}
         self.free_slots: list[int] = []          # a heap: the lowest free slot first keeps rows together
-        self.k = self.v = torch.empty(0)
+        self.k = self.v = torch.empty(0, device=self.spec.device)
         self.peak_reserved = 0
         self._allocate(0, 0)
 

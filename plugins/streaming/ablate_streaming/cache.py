@@ -103,7 +103,7 @@ class StreamingKVCache(RowBuffers, KVCache):
                                  f"({capacity * self.spec.bytes_per_token} bytes)")
         self.rows: dict[int, Row] = {}                    # seq_id -> its row
         self.free_slots = list(range(self.num_slots))     # a heap: the lowest free slot first keeps rows together
-        self.k = self.v = torch.empty(0)
+        self.k = self.v = torch.empty(0, device=self.spec.device)   # replaced by _allocate below
         self.peak_reserved = 0
         self.tokens_evicted = 0       # tokens dropped from rows, over the cache's life
         self.peak_tokens_held = 0     # most tokens one row held during a step (held + new)

@@ -24,7 +24,7 @@ def calibration_token_ids(model: LlamaModel, num_tokens: int, seed: int = 0) -> 
             raise ValueError(f"the corpus's prompt part has {len(ids)} tokens, fewer than the {num_tokens} asked for")
         return ids[:num_tokens]
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, cfg.vocab_size, (num_tokens,), generator=gen).tolist()
+    return torch.randint(0, cfg.vocab_size, (num_tokens,), generator=gen, device="cpu").tolist()
 
 
 @torch.inference_mode()
@@ -32,7 +32,7 @@ def attention_input_moments(model: LlamaModel, token_ids: list[int], window: int
     """Per layer, sum over tokens of x x^T for the input x (d_model,) of its attention (after the
     norm): (d_model, d_model) float64 on the CPU. The text runs in windows of `window` tokens."""
     d = model.config.d_model
-    moments = [torch.zeros(d, d, dtype=torch.float64) for _ in model.layers]
+    moments = [torch.zeros(d, d, dtype=torch.float64, device="cpu") for _ in model.layers]   # as the docstring says
 
     def accumulate(index: int):
         def hook(module, args) -> None:

@@ -79,8 +79,9 @@ def to_kv_heads(model: LlamaModel, kv_heads: int) -> LlamaModel:
     """The model with `kv_heads` K/V heads; the model itself (not a copy) when it already has them."""
     cfg = model.config
     if cfg.attention_kind != "mha":
-        raise ValueError(f"variant=gqa converts per-head K/V projections; model {cfg.name!r} uses "
-                         f"attention_kind={cfg.attention_kind}")
+        raise ValueError(f"variant=gqa converts per-head K/V projections (model.attention_kind=mha); model "
+                         f"{cfg.name!r} uses attention_kind={cfg.attention_kind}, whose K/V heads it cannot pool: "
+                         "run it with variant=none")
     if cfg.n_kv_heads % kv_heads and (kv_heads % cfg.n_kv_heads or cfg.n_heads % kv_heads):
         raise ValueError(f"variant.kv_heads={kv_heads} must divide model {cfg.name!r}'s {cfg.n_kv_heads} K/V heads, "
                          f"or be a multiple of them that divides its {cfg.n_heads} query heads")

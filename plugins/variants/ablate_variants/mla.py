@@ -98,15 +98,17 @@ class MLAShape:
 
 def source_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """w_i = base^(-2i/d_h), i < d_h / 2, with Llama 3.1 scaling when the model has it (as RotaryEmbedding)."""
-    inv_freq = 1.0 / cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu")   # RotaryEmbedding moves its table
+    inv_freq = 1.0 / cfg.rope_base ** (dims / cfg.head_dim)
     return llama3_scaled_inv_freq(inv_freq, cfg.rope_llama3_scaling) if cfg.rope_llama3_scaling else inv_freq
 
 
 def rotary_and_plain_dims(head_dim: int, kept_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices within a head: the kept rotary dims (i and half + i, i < f) and the rest."""
     half = head_dim // 2
-    rotary = torch.cat((torch.arange(kept_pairs), half + torch.arange(kept_pairs)))
-    plain = torch.tensor([i for i in range(head_dim) if i % half >= kept_pairs], dtype=torch.long)
+    rotary = torch.arange(kept_pairs, device="cpu")          # indices into convert_layer's CPU weights
+    rotary = torch.cat((rotary, half + rotary))
+    plain = torch.tensor([i for i in range(head_dim) if i % half >= kept_pairs], dtype=torch.long, device="cpu")
     return rotary, plain
 
 
@@ -121,7 +123,7 @@ def low_rank(m: torch.Tensor, rank: int, input_moment: torch.Tensor | None) -> t
         down = vh[:rank]
     else:
         # a little damping: C is singular when the calibration inputs do not span every direction
-        c = input_moment + 1e-6 * input_moment.diagonal().mean() * torch.eye(m.shape[1], dtype=torch.float64)
+        c = input_moment + 1e-6 * input_moment.diagonal().mean() * torch.eye(m.shape[1], dtype=torch.float64, device=m.device)
         chol = torch.linalg.cholesky(c)                                          # C = L L^T
         u, s, vh = torch.linalg.svd(m @ chol, full_matrices=False)
         down = torch.linalg.solve_triangular(chol, vh[:rank], upper=False, left=False)   # V_r^T L^-1
@@ -156,9 +158,9 @@ def convert_layer(old: SelfAttention, src: ModelConfig, dst: ModelConfig, shape:
     scale = math.sqrt((dh + dr) / dh)
     q_content = w_q.clone()
     q_content[:, rotary] = 0.0                                                   # (H, d_h, d)
-    q_rotary = torch.zeros(h, dr, d, dtype=torch.float64)                        # (H, d_R, d)
-    w_uk = torch.zeros(h, dh, r, dtype=torch.float64)
-    w_uv = torch.empty(h, dh, r, dtype=torch.float64)
+    q_rotary = torch.zeros(h, dr, d, dtype=torch.float64, device="cpu")          # (H, d_R, d)
+    w_uk = torch.zeros(h, dh, r, dtype=torch.float64, device="cpu")
+    w_uv = torch.empty(h, dh, r, dtype=torch.float64, device="cpu")
     for head in range(h):
         group = head // per_group
         q_rotary[head, group * f:(group + 1) * f] = w_q[head, :f]
@@ -184,8 +186,10 @@ def to_mla(model: LlamaModel, rank: int = 0, rope_frequencies: int = 0,
     `input_moments` (per layer, sum of x x^T of its attention's inputs) makes the SVD activation-aware."""
     src = model.config
     if src.attention_kind != "mha" or src.qkv_bias:
-        raise ValueError(f"variant=mla converts Llama-family K/V projections without biases; model {src.name!r} "
-                         f"has attention_kind={src.attention_kind}, qkv_bias={src.qkv_bias}")
+        right = "run it with variant=none" if src.attention_kind == "mla" else "use a model without Q/K/V biases"
+        raise ValueError(f"variant=mla converts Llama-family K/V projections without biases (model.attention_kind=mha, "
+                         f"qkv_bias=False); model {src.name!r} has attention_kind={src.attention_kind}, "
+                         f"qkv_bias={src.qkv_bias}: {right}")
     shape = MLAShape.of(src, rank, rope_frequencies)
     dst = replace(src, attention_kind="mla", n_kv_heads=src.n_heads, kv_latent_dim=shape.rank,
                   rope_head_dim=shape.rope_dim)

@@ -1,0 +1,27 @@
+"""No built-in arm makes the host wait for the device more than a few times a decode step, and none
+inside a layer (ablate/testing/syncs.py counts the calls that would, on a CPU)."""
+from __future__ import annotations
+
+import pytest
+
+from ablate.testing.syncs import BUILT_IN_ARMS, MAX_SYNCS_PER_DECODE_STEP, count_syncs, summary
+
+
+@pytest.mark.parametrize("name", BUILT_IN_ARMS)
+def test_decode_steps_make_few_host_syncs_and_none_per_layer(name, build, make_requests):
+    spec, per_draft = BUILT_IN_ARMS[name]
+    found = summary(count_syncs(build(spec, record=False), make_requests([5, 9, 12], [6, 4, 8])))
+    assert found["decode_steps"] > 0
+    assert found["max_per_step"] <= MAX_SYNCS_PER_DECODE_STEP + per_draft, found["calls"]
+    assert found["max_per_layer"] == 0, found["calls"]
+
+
+def test_the_counter_sees_a_sync_inside_a_layer(build, make_requests):
+    built = build({"kv_cache": "contiguous"}, record=False)
+    layer = built.engine.runner.model.layers[1]
+    hook = layer.register_forward_hook(lambda module, args, out: None if bool(out.sum() > 0) else None)   # a sync
+    try:
+        found = summary(count_syncs(built, make_requests([5], [4])))
+    finally:
+        hook.remove()
+    assert found["max_per_layer"] == 1 and found["calls"]["__bool__"] >= 3

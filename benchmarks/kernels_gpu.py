@@ -1,6 +1,6 @@
 """Time the ablate_kernels Triton attention kernels against PyTorch SDPA on a CUDA GPU.
 
-    python benchmarks/kernels_gpu.py [--out kernels_gpu.json] [--repeats 20] [--warmup 5] [--sweep]
+    python benchmarks/kernels_gpu.py [--out kernels_gpu.json] [--repeats 20] [--warmup 5] [--configs]
 
 Measures, in bf16, with CUDA events after warm-up (median over repeats):
   1. flash_attention_varlen, causal prefill of one sequence of 4k / 8k / 16k tokens, head_dim 64 and
@@ -10,7 +10,11 @@ Measures, in bf16, with CUDA events after warm-up (median over repeats):
      over the same tokens laid out contiguously;
   3. flash_attention_decode (same shapes, contiguous padded cache) against SDPA.
 Prints a table and writes the figures as JSON. speedup = sdpa_ms / triton_ms (> 1: Triton faster).
---sweep also times a few alternative tile configs / split counts and reports the best (slower).
+The prefill picks its tile config by timing (ablate_kernels/tuning.py) on its first call per shape
+bucket, before timing starts; each row records the config it picked (autotuned_config) and whether
+any kernel compiled during the timed calls (compiled_during_timing, which should stay false).
+--configs (alias --sweep) also times every prefill candidate config per shape (what the autotuner
+chose from, so the next GPU session sees which wins) and decode BLOCK_N x split counts (slower).
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ except ImportError:  # run from a checkout without `pip install -e kernels`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
     import ablate_kernels
 
+from ablate_kernels import decode_attention as da
 from ablate_kernels import flash_attention as fa
+from ablate_kernels import launch, tuning
 from ablate_kernels import paged_attention as pa
 
 DEVICE = "cuda"  # a dry run of the script's logic can point this at the CPU interpreter
@@ -115,8 +121,9 @@ def bench_prefill(args) -> list[dict]:
             def triton_call():
                 return ablate_kernels.flash_attention_varlen(q, k, v, cu, cu, seqlen, seqlen, causal=True)  # noqa: F821 (deleted after use below)
 
-            out = triton_call()
-            triton_ms = time_ms(triton_call, args.warmup, args.repeats)
+            out = triton_call()  # the first call of a length bucket autotunes (outside the timing)
+            picked = tuning.last_prefill_config()
+            triton_ms, compiled = time_counting_variants(triton_call, args, inner=1)
             sdpa_ms, sdpa_label, sdpa_out = best_sdpa(
                 q.transpose(0, 1).unsqueeze(0).contiguous(),  # (1, H, T, D)
                 k.transpose(0, 1).unsqueeze(0).contiguous(),  # (1, H_kv, T, D)
@@ -130,9 +137,11 @@ def bench_prefill(args) -> list[dict]:
                 "triton_tflops": flops / triton_ms / 1e9, "sdpa_tflops": flops / sdpa_ms / 1e9,
                 "speedup": sdpa_ms / triton_ms,
                 "max_abs_diff": (out.float() - sdpa_out[0].transpose(0, 1).float()).abs().max().item(),
+                "autotuned_config": picked, "seqlen_bucket": tuning.seqlen_bucket(seqlen),
+                "compiled_during_timing": compiled,
             }
-            if args.sweep and seqlen == PREFILL_LENGTHS[1]:
-                row["sweep"] = sweep_prefill(q, k, v, cu, seqlen, head_dim, args)
+            if args.configs:
+                row["configs"] = time_prefill_candidates(q, k, v, cu, seqlen, head_dim, args)
             rows.append(row)
             print_row(row)
             del q, k, v, out, sdpa_out
@@ -140,29 +149,27 @@ def bench_prefill(args) -> list[dict]:
     return rows
 
 
-def sweep_prefill(q, k, v, cu, seqlen, head_dim, args) -> list[dict]:
+def time_prefill_candidates(q, k, v, cu, seqlen, head_dim, args) -> list[dict]:
+    """Milliseconds of every candidate tile config the autotuner chooses from, for this shape."""
     results = []
     out = torch.empty_like(q)
-    scale = 1.0 / math.sqrt(head_dim)
-    for block_m in (64, 128):
-        for block_n in (64, 128):
-            for num_warps in (4, 8):
-                for num_stages in (2, 3):
-                    config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps,
-                              "num_stages": num_stages}
-                    group = NUM_HEADS // NUM_KV_HEADS
-                    try:
-                        ms = time_ms(lambda: fa._launch_varlen(q, k, v, cu, cu, seqlen, out, group, True, scale,
-                                                               config), 2, max(args.repeats // 2, 5))
-                    except Exception as exc:  # e.g. out of shared memory
-                        results.append({**config, "error": type(exc).__name__})
-                        continue
-                    results.append({**config, "ms": ms})
-    ok = [r for r in results if "ms" in r]
-    if ok:
-        best = min(ok, key=lambda r: r["ms"])
-        print(f"    sweep head_dim={head_dim} T={seqlen}: best {best} (default {fa._varlen_config(head_dim, DTYPE)})")
+    scale, group = 1.0 / math.sqrt(head_dim), NUM_HEADS // NUM_KV_HEADS
+    for config in tuning.prefill_candidates(head_dim, DTYPE):
+        try:
+            ms = time_ms(lambda: fa._launch_varlen(q, k, v, cu, cu, seqlen, out, group, True, scale, config),
+                         2, max(args.repeats // 2, 5))
+            results.append({**config, "ms": ms})
+        except Exception as exc:  # e.g. out of shared memory on this GPU
+            results.append({**config, "error": type(exc).__name__})
+        print(f"    config T={seqlen} D={head_dim} {results[-1]}")
     return results
+
+
+def time_counting_variants(fn, args, inner: int = 10) -> tuple[float, bool]:
+    """(time_ms of fn, whether a kernel variant was compiled while timing: it should not be)."""
+    variants = ablate_kernels.compiled_variants()
+    ms = time_ms(fn, args.warmup, args.repeats, inner)
+    return ms, ablate_kernels.compiled_variants() != variants
 
 
 def make_decode_inputs():
@@ -213,32 +220,33 @@ def bench_decode(args) -> list[dict]:
     def paged_call():
         return ablate_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
 
-    splits = fa._num_splits(DECODE_BATCH * NUM_KV_HEADS, DECODE_CONTEXT, fa._decode_config(DECODE_HEAD_DIM, DTYPE)
-                            ["BLOCK_N"], q.device)
+    config = launch._decode_config(DECODE_HEAD_DIM, DTYPE)
+    splits = launch._num_splits(DECODE_BATCH * NUM_KV_HEADS, DECODE_CONTEXT, config["BLOCK_N"], q.device)
     out = paged_call()
-    ms = time_ms(paged_call, args.warmup, args.repeats, inner=10)
-    rows.append(decode_row("paged_decode", ms, sdpa, out, {"block_size": BLOCK_SIZE, "num_splits": splits}))
+    ms, compiled = time_counting_variants(paged_call, args)
+    rows.append(decode_row("paged_decode", ms, sdpa, out, {"block_size": BLOCK_SIZE, "num_splits": splits,
+                                                             "compiled_during_timing": compiled}))
 
     def decode_call():
         return ablate_kernels.flash_attention_decode(q, k, v, context_lens)
 
     out = decode_call()
-    ms = time_ms(decode_call, args.warmup, args.repeats, inner=10)
-    rows.append(decode_row("flash_decode", ms, sdpa, out, {"num_splits": splits}))
+    ms, compiled = time_counting_variants(decode_call, args)
+    rows.append(decode_row("flash_decode", ms, sdpa, out, {"num_splits": splits, "compiled_during_timing": compiled}))
 
-    if args.sweep:
-        group, scale = NUM_HEADS // NUM_KV_HEADS, 1.0 / math.sqrt(DECODE_HEAD_DIM)
-        for block_n in (32, 64, 128):
-            for num_splits in (1, 2, 4, 8, 16):
-                config = {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 3}
-                paged_ms = time_ms(lambda: pa._launch_paged(q, k_cache, v_cache, block_tables, context_lens, group,
-                                                            scale, num_splits, config), 2, 10, inner=10)
-                dec_ms = time_ms(lambda: fa._launch_decode(q, k, v, context_lens, group, scale, num_splits, config),
-                                 2, 10, inner=10)
-                print(f"    sweep BLOCK_N={block_n} splits={num_splits}: paged {paged_ms:.4f} ms, "
-                      f"decode {dec_ms:.4f} ms")
-                rows.append({"bench": "decode_sweep", "BLOCK_N": block_n, "num_splits": num_splits,
-                             "paged_ms": paged_ms, "decode_ms": dec_ms})
+    group, scale = NUM_HEADS // NUM_KV_HEADS, 1.0 / math.sqrt(DECODE_HEAD_DIM)
+    for block_n in (32, 64, 128) if args.configs else ():  # split counts x key tiles; `splits` is the chosen
+        for num_splits in (1, 2, 4, 8, 16, 32):
+            cfg = {**config, "BLOCK_N": block_n}
+            paged_ms = time_ms(lambda: pa._launch_paged(q, k_cache, v_cache, block_tables, context_lens, group,
+                                                        scale, num_splits, cfg), 2, 10, inner=10)
+            dec_ms = time_ms(lambda: da._launch_decode(q, k, v, context_lens, group, scale, num_splits, cfg),
+                             2, 10, inner=10)
+            chosen = block_n == config["BLOCK_N"] and num_splits == splits
+            print(f"    config {cfg} splits={num_splits}: paged {paged_ms:.4f} ms, decode {dec_ms:.4f} ms"
+                  f"{'  (chosen)' if chosen else ''}")
+            rows.append({"bench": "decode_configs", **cfg, "num_splits": num_splits, "chosen": chosen,
+                         "paged_ms": paged_ms, "decode_ms": dec_ms})
     return rows
 
 
@@ -262,7 +270,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("kernels_gpu.json"), help="where to write the JSON figures")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats (median reported)")
-    parser.add_argument("--sweep", action="store_true", help="also time alternative tile configs / split counts")
+    parser.add_argument("--configs", "--sweep", dest="configs", action="store_true",
+                        help="also time every prefill candidate config per shape and decode BLOCK_N x split counts")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -273,12 +282,11 @@ def main(argv=None) -> int:
     print(f"device: {device_name}, torch {torch.__version__}, dtype {DTYPE}, H={NUM_HEADS}, H_kv={NUM_KV_HEADS}")
     print(HEADER)
     results = {
-        "device": device_name,
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "dtype": str(DTYPE),
+        "device": device_name, "torch": torch.__version__, "triton": __import__("triton").__version__,
+        "dtype": str(DTYPE), "backend": ablate_kernels.backend_label(DEVICE),
         "prefill": bench_prefill(args),
         "decode": bench_decode(args),
+        "compiled_variants": ablate_kernels.compiled_variants(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))

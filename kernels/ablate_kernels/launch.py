@@ -1,5 +1,11 @@
-"""Host side of the Triton kernels: where they can run, input checks, launch configuration, and the
-split-K decode's partial buffers and combine launch (shared by flash_attention.py and paged_attention.py)."""
+"""Host side of the Triton kernels: where they can run, input checks, decode launch configuration, and
+the split-K decode's partial buffers and combine launch (shared by decode_attention.py and paged_attention.py).
+
+Everything decided here reads tensor shapes, dtypes, devices and strides only, never tensor values:
+no .item(), .tolist(), .cpu(), bool(tensor) or nonzero(), so the decode launchers never synchronise
+with the device and can be captured into a CUDA graph (see decode_attention.py). Prefill tile configs
+and their selection by timing are in tuning.py.
+"""
 from __future__ import annotations
 
 import functools
@@ -11,7 +17,8 @@ import triton
 from .online_softmax import _INTERPRETED, _combine_splits_kernel
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
+# Upper bound on the split-K count; a power of two, compiled into the combine kernel as SPLITS_P2.
+MAX_SPLITS = 64
 
 
 def triton_available(device) -> bool:
@@ -28,6 +35,18 @@ def triton_available(device) -> bool:
     if device.type == "cpu":
         return _INTERPRETED
     return False
+
+
+def backend_label(device) -> str:
+    """What runs these kernels on `device`, to label results with.
+
+    "triton": compiled Triton kernels (CUDA); "triton-interpreted": Triton's interpreter
+    (TRITON_INTERPRET=1, numpy on the CPU: correct but orders of magnitude slower, never a timing);
+    "unavailable": the kernels cannot run there.
+    """
+    if not triton_available(device):
+        return "unavailable"
+    return "triton-interpreted" if _INTERPRETED else "triton"
 
 
 def _require_runnable(fn_name: str, device: torch.device, fallback: str) -> None:
@@ -98,20 +117,6 @@ def _dot_flags(dtype: torch.dtype) -> dict:
     }
 
 
-def _varlen_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile sizes for the prefill kernel (tuned for sm_80/sm_90 shared memory and registers)."""
-    if _INTERPRETED:
-        # small, unequal tiles so CPU tests cross several query and key tiles and the diagonal
-        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    if dtype == torch.float32:  # fp32 is a correctness path (IEEE FMA dots), keep tiles small
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    if head_dim <= 64:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-    if head_dim <= 128:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-
-
 def _decode_config(head_dim: int, dtype: torch.dtype) -> dict:
     if _INTERPRETED:
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
@@ -130,30 +135,39 @@ def _sm_count(device_index: int) -> int:
 
 
 def _num_splits(num_programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
-    """How many key splits (flash-decoding) to use.
+    """How many key splits (flash-decoding) to use: a power of two in [1, MAX_SPLITS].
 
     Decode is memory bound: with few (sequence, KV head) programs the GPU's SMs sit idle, so the keys
-    are split until there are ~4 programs per SM, while keeping >= 4 key tiles per split so that the
-    extra combine pass stays cheap. Uses only host-side sizes (no device sync on context_lens).
+    are split until there are >= 4 programs per SM (wanted, rounded up to a power of two), while
+    keeping about >= 4 key tiles per split so that the extra combine pass stays cheap (by_length,
+    rounded down). Powers of two keep the set of launch shapes small as the batch size changes.
+    Uses only host-side sizes (no device sync on context_lens), so it is safe under CUDA graph capture.
     """
     if device.type == "cuda":
         sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         sm_count = 4  # interpreter: a pretend GPU, so CPU tests also take the split path
-    wanted = triton.cdiv(4 * sm_count, max(num_programs, 1))
-    by_length = triton.cdiv(max_keys, 4 * block_n)
-    return int(max(1, min(wanted, by_length, 64)))
+    wanted = triton.next_power_of_2(triton.cdiv(4 * sm_count, max(num_programs, 1)))
+    by_length = max(triton.cdiv(max_keys, 4 * block_n), 1)
+    by_length = 1 << (by_length.bit_length() - 1)  # largest power of two <= by_length
+    return int(min(wanted, by_length, MAX_SPLITS))
+
+
+def _keys_per_split(max_keys: int, num_splits: int, block_n: int) -> int:
+    """Keys per split: a whole number of key tiles, num_splits * keys_per_split >= max_keys."""
+    return max(triton.cdiv(triton.cdiv(max(max_keys, 1), num_splits), block_n) * block_n, block_n)
 
 
 def _launch_decode_combine(mid_o, mid_lse, context_lens, out, max_keys, keys_per_split, num_splits, head_dim):
     batch, num_heads = out.shape[0], out.shape[1]
+    assert 1 <= num_splits <= MAX_SPLITS, num_splits  # host ints only: no device sync
     _combine_splits_kernel[(batch, num_heads)](
         mid_o, mid_lse, context_lens, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        max_keys, keys_per_split,
-        NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-        num_warps=4,
+        max_keys, keys_per_split, num_splits,
+        SPLITS_P2=MAX_SPLITS, HEAD_DIM=head_dim,  # one compiled variant whatever the split count
+        num_warps=4 if head_dim <= 128 else 8,  # (MAX_SPLITS, D) fp32 partials live in registers
     )
 
 

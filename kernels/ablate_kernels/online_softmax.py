@@ -23,8 +23,9 @@ and for every new tile of scores s_tile:
 
 At the end o = acc / l. Subtracting the running max keeps every exponent <= 0, so nothing overflows,
 and the result is exactly the softmax (the common factor exp(m) cancels between acc and l).
-We work in base 2: scores are pre-multiplied by log2(e) so exp(x) becomes exp2(x'), which maps to a
-single hardware instruction. The log-sum-exp of a row (used to merge split-K partial results) is
+We work in base 2: scores are multiplied by qk_scale = sm_scale * log2(e) so exp(x) becomes exp2(x'),
+which maps to a single hardware instruction; the multiply is fused into the exponent's argument,
+exp2(s * qk_scale - m), one FMA per score. The log-sum-exp of a row (used to merge split-K partial results) is
 lse = m + log2(l), also in base 2.
 
 Grouped-query attention: query head h reads KV head h // (H / H_kv); K and V are never repeated.
@@ -61,21 +62,23 @@ def _dot(a, b, acc, DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(acc, l_i, m_i, s, v, GUARD_EMPTY: tl.constexpr, DOT_UPCAST: tl.constexpr,
+def _online_softmax_step(acc, l_i, m_i, s, v, qk_scale, GUARD_EMPTY: tl.constexpr, DOT_UPCAST: tl.constexpr,
                          PRECISION: tl.constexpr):
     """Fold one tile of scores into the running (acc, l, m) state; see the module docstring.
 
-    s: (ROWS, COLS) scores already scaled to base 2, -inf where masked.  v: (COLS, D).
+    s: (ROWS, COLS) raw scores <q, k>, -inf where masked.  v: (COLS, D).  qk_scale = sm_scale * log2(e) > 0.
+    The scale is applied inside the exponent, s * qk_scale - m, one fused multiply-add per score, and
+    to the row max only (a positive factor commutes with max), instead of a multiply per score first.
     GUARD_EMPTY: the tile may contain rows whose every score is -inf and that have seen no key yet
     (m stays -inf); subtract 0 instead of -inf for them so exp2 gives 0 rather than NaN.
     """
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # (ROWS,)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # (ROWS,) running max in base-2 units
     if GUARD_EMPTY:
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_ref = m_new
     alpha = tl.exp2(m_i - m_ref)  # (ROWS,) exp(m_old - m_new), 0 on the first tile
-    p = tl.exp2(s - m_ref[:, None])  # (ROWS, COLS)
+    p = tl.exp2(s * qk_scale - m_ref[:, None])  # (ROWS, COLS); masked scores: exp2(-inf) = 0
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = _dot(p.to(v.dtype), v, acc, DOT_UPCAST, PRECISION)  # (ROWS, D)
@@ -105,18 +108,23 @@ def _store_decode_result(acc, l_i, m_i, O, Mid_O, Mid_LSE, b, head0, split, offs
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=head_mask[:, None])
 
 
-@triton.jit
+# Integers that follow the batch size or the split count are not specialised (no compiled variant per
+# divisibility by 16): stride_mlh is the split count, stride_mlb = H * split count.
+@triton.jit(do_not_specialize=["stride_mlb", "stride_mlh", "max_keys", "keys_per_split", "num_splits"])
 def _combine_splits_kernel(
     Mid_O, Mid_LSE, Ctx, O,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-    max_keys, keys_per_split,
-    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    max_keys, keys_per_split, num_splits,
+    SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """Merge split-K partial results of one (sequence, query head).
 
     Split s covers a disjoint key range and produced o_s = acc_s / l_s and lse_s = m_s + log2(l_s).
     The full softmax over the union is o = sum_s w_s o_s / sum_s w_s with w_s = exp2(lse_s - max lse):
     w_s is l_s * exp(m_s) up to the common factor exp2(max lse).
+
+    num_splits is a runtime value (it follows the batch size); only its upper bound SPLITS_P2 is
+    compiled in, so batches of any size share one compiled combine kernel.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -124,7 +132,7 @@ def _combine_splits_kernel(
     n_valid = tl.cdiv(ctx, keys_per_split)  # splits past the context wrote nothing
     offs_s = tl.arange(0, SPLITS_P2)  # (S,)
     offs_d = tl.arange(0, HEAD_DIM)  # (D,)
-    s_mask = (offs_s < n_valid) & (offs_s < NUM_SPLITS)
+    s_mask = (offs_s < n_valid) & (offs_s < num_splits)
     lse = tl.load(Mid_LSE + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask, other=float("-inf"))  # (S,)
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # empty context: all weights 0

@@ -5,8 +5,13 @@ physical block block_tables[b, p // block_size], slot p % block_size. The kernel
 positions in tiles of BLOCK_N keys (a tile may span several blocks, or part of one): for each key of
 the tile it looks up the physical block in the block table and gathers that key's (D,) row, so the
 tile size is independent of the page size. The softmax is the online (running max / running sum)
-form described in flash_attention.py, and long contexts are split across programs (flash-decoding)
+form described in online_softmax.py, and long contexts are split across programs (flash-decoding)
 and merged by the same combine kernel as flash_attention_decode.
+
+CUDA graphs: paged_decode_attention can be captured into a torch.cuda.CUDAGraph. Its host side reads
+only tensor shapes, dtypes, devices and strides, never values (no device sync), so the grid, the split
+count and the scratch buffers depend on shapes alone; block_tables and context_lens are read on the
+device and may change value between replays. Call it once with the same shapes before capturing.
 """
 
 from __future__ import annotations
@@ -16,14 +21,16 @@ import triton
 import triton.language as tl
 
 from .launch import (_block_h, _check_float_inputs, _check_head_dim, _check_heads, _check_index, _check_tensor,
-                     _decode_config, _dot_flags, _launch_decode_combine, _num_splits, _require_runnable,
-                     _resolve_scale, _split_buffers)
+                     _decode_config, _dot_flags, _keys_per_split, _launch_decode_combine, _num_splits,
+                     _require_runnable, _resolve_scale, _split_buffers)
 from .online_softmax import _LOG2E, _dot, _online_softmax_step, _store_decode_result
 
 __all__ = ["paged_decode_attention"]
 
 
-@triton.jit
+# Integers that follow the cache / block-table shape or the split count are not specialised (no compiled
+# variant per divisibility by 16), so changing batch sizes reuse the same compiled kernel.
+@triton.jit(do_not_specialize=["stride_btb", "stride_mlb", "stride_mlh", "max_keys", "keys_per_split"])
 def _paged_decode_kernel(
     Q, K_cache, V_cache, Block_tables, Ctx, O, Mid_O, Mid_LSE, qk_scale,
     stride_qb, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh, stride_btb,
@@ -72,9 +79,9 @@ def _paged_decode_kernel(
         k = tl.load(k_rows[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)  # (BLOCK_N, D)
         v = tl.load(v_rows[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)  # (BLOCK_N, D)
         s = _dot(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), DOT_UPCAST, PRECISION)
-        s = tl.where(in_ctx[None, :], s * qk_scale, float("-inf"))  # (BLOCK_H, BLOCK_N), base-2 units
+        s = tl.where(in_ctx[None, :], s, float("-inf"))  # (BLOCK_H, BLOCK_N) raw scores
         # every tile holds at least one key in the context, so no row is ever fully masked
-        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, False, DOT_UPCAST, PRECISION)
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, qk_scale, False, DOT_UPCAST, PRECISION)
 
     _store_decode_result(acc, l_i, m_i, O, Mid_O, Mid_LSE, b, head0, split, offs_h, offs_d, head_mask,
                          stride_ob, stride_oh, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, SPLIT)
@@ -131,8 +138,7 @@ def _launch_paged(q, k_cache, v_cache, block_tables, context_lens, group, scale,
     out = torch.empty(batch, num_heads, head_dim, device=q.device, dtype=q.dtype)  # (B, H, D)
     if batch == 0:
         return out
-    block_n = config["BLOCK_N"]
-    keys_per_split = max(triton.cdiv(triton.cdiv(max(max_keys, 1), num_splits), block_n) * block_n, block_n)
+    keys_per_split = _keys_per_split(max_keys, num_splits, config["BLOCK_N"])  # whole key tiles per split
     mid_o, mid_lse, mo_strides, ml_strides = _split_buffers(q, out, num_splits)
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale * _LOG2E,

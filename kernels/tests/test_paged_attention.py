@@ -1,8 +1,8 @@
 """paged_decode_attention against the fp32 reference and against the contiguous decode kernel.
 
 Runs under the Triton interpreter on CPU (switched on before triton is imported, hence the
-environment line above the imports). Tolerances as in test_flash_attention.py: fp32 1e-4, fp16 5e-3,
-bf16 2e-2 (atol and rtol), reference in fp32 from the same rounded inputs.
+environment line above the imports). Accuracy: relative error against the fp32 reference from the same
+rounded inputs (ablate_kernels.testing.REL_TOL: fp32 1e-4, fp16 3e-3, bf16 1.5e-2).
 """
 
 import os
@@ -22,9 +22,15 @@ from ablate_kernels import (  # noqa: E402
     triton_available,
 )
 from ablate_kernels import paged_attention as pa  # noqa: E402
+from ablate_kernels.testing import assert_close_relative, make_paged  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# Continuous batching: one block-table width, several batch sizes, hence several split counts (as in
+# test_decode_attention.py: the GPU's many SMs need bigger batches to change the count).
+if DEVICE == "cpu":
+    SPLIT_LEN, SPLIT_KV_HEADS, SPLIT_BATCHES = 256, 2, (1, 3, 5, 8)
+else:
+    SPLIT_LEN, SPLIT_KV_HEADS, SPLIT_BATCHES = 1024, 8, (1, 32, 64, 128)
 
 needs_triton = pytest.mark.skipif(
     not triton_available(DEVICE),
@@ -32,66 +38,34 @@ needs_triton = pytest.mark.skipif(
 )
 
 
-def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-    tol = TOLERANCE[dtype]
-    assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
-
-
-def make_paged(context_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0, spare_blocks=3,
-               device=DEVICE):
-    """A paged cache holding contiguous per-sequence K/V under a shuffled block table.
-
-    Returns q (B, H, D), the contiguous k, v (B, S_max, H_kv, D) with S_max = blocks_per_seq * block_size,
-    the caches (num_blocks, block_size, H_kv, D), block_tables (B, blocks_per_seq) and context_lens (B,).
-    Unused cache blocks and the slots past each context are filled with garbage that must not be read.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    batch = len(context_lens)
-    blocks_per_seq = max(-(-max(context_lens) // block_size), 1)
-    max_len = blocks_per_seq * block_size
-    num_blocks = batch * blocks_per_seq + spare_blocks
-    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)  # (B, H, D)
-    k = torch.randn(batch, max_len, num_kv_heads, head_dim, generator=gen).to(dtype)  # (B, S_max, H_kv, D)
-    v = torch.randn(batch, max_len, num_kv_heads, head_dim, generator=gen).to(dtype)  # (B, S_max, H_kv, D)
-    # physical blocks are handed out in a random order: logical block j of sequence b -> table[b, j]
-    table = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_seq].view(batch, blocks_per_seq)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype) * 100
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype) * 100
-    for b, ctx in enumerate(context_lens):
-        for pos in range(ctx):  # only the first ctx tokens are written; the rest stays garbage
-            k_cache[table[b, pos // block_size], pos % block_size] = k[b, pos]
-            v_cache[table[b, pos // block_size], pos % block_size] = v[b, pos]
-    ctx = torch.tensor(context_lens, dtype=torch.int32)  # (B,)
-    return tuple(t.to(device) for t in (q, k, v, k_cache, v_cache, table.to(torch.int32), ctx))
-
-
 @needs_triton
 @pytest.mark.parametrize(
     "dtype, num_heads, num_kv_heads, head_dim, block_size",
-    [
-        (torch.float32, 4, 2, 16, 16),  # GQA
-        (torch.float32, 4, 1, 32, 16),  # MQA
-        (torch.float32, 4, 4, 32, 8),  # MHA, pages smaller than a key tile
-        (torch.float32, 4, 2, 16, 32),  # pages larger than a key tile
-        (torch.float16, 4, 2, 32, 16),
-        (torch.bfloat16, 4, 1, 16, 16),
+    [  # head dims 64 / 128 / 256 x GQA groups 1 / 3 / 4 / 9 x dtypes x page sizes, spread rather than crossed
+        (torch.float32, 8, 8, 64, 16),  # MHA, group 1
+        (torch.bfloat16, 9, 1, 64, 8),  # MQA, group 9; pages smaller than a key tile
+        (torch.float16, 9, 3, 128, 32),  # group 3; pages larger than a key tile
+        (torch.bfloat16, 12, 3, 128, 16),  # group 4
+        (torch.float16, 12, 3, 256, 16),
+        (torch.float32, 9, 3, 256, 8),
+        (torch.bfloat16, 8, 8, 256, 32),
+        (torch.float32, 4, 2, 16, 16),  # the smallest head dim
     ],
 )
 def test_paged_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
     q, _, _, k_cache, v_cache, table, ctx = make_paged([1, 7, 33, 64], block_size, num_heads, num_kv_heads,
-                                                       head_dim, dtype)
+                                                       head_dim, dtype, DEVICE)
     out = paged_decode_attention(q, k_cache, v_cache, table, ctx)
     ref = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), table, ctx)
     assert out.shape == (4, num_heads, head_dim)
-    assert_matches(out, ref, dtype)
+    assert_close_relative(out, ref, dtype)
 
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_equals_contiguous_decode(dtype):
     """Same tokens, once through a shuffled block table and once laid out contiguously."""
-    q, k, v, k_cache, v_cache, table, ctx = make_paged([5, 16, 40, 70], 16, 4, 2, 16, dtype)
+    q, k, v, k_cache, v_cache, table, ctx = make_paged([5, 16, 40, 70], 16, 4, 2, 16, dtype, DEVICE)
     paged = paged_decode_attention(q, k_cache, v_cache, table, ctx)
     contiguous = flash_attention_decode(q, k, v, ctx)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: at most an output rounding step apart
@@ -102,11 +76,28 @@ def test_paged_equals_contiguous_decode(dtype):
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_paged_split_k_paths(num_splits):
     """Single pass, split-K, and more splits than a short context fills; context 0 outputs zeros."""
-    q, _, _, k_cache, v_cache, table, ctx = make_paged([0, 9, 50, 100], 16, 4, 2, 16, torch.float32)
+    q, _, _, k_cache, v_cache, table, ctx = make_paged([0, 9, 50, 100], 16, 4, 2, 16, torch.float32, DEVICE)
     out = pa._launch_paged(q, k_cache, v_cache, table, ctx, 2, 0.3, num_splits, launch._decode_config(16, torch.float32))
     ref = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), table, ctx, sm_scale=0.3)
-    assert_matches(out, ref, torch.float32)
+    assert_close_relative(out, ref, torch.float32)
     assert (out[0] == 0).all()
+
+
+@needs_triton
+def test_paged_split_count_follows_the_batch_size():
+    """One block-table width, several batch sizes and so several runtime split counts: all correct."""
+    head_dim, dtype, block_size = 64, torch.bfloat16, 16
+    block_n = launch._decode_config(head_dim, dtype)["BLOCK_N"]
+    splits = set()
+    for batch in SPLIT_BATCHES:
+        contexts = [SPLIT_LEN if i % 3 == 0 else (i * 37) % SPLIT_LEN for i in range(batch)]  # ragged, some full
+        q, _, _, k_cache, v_cache, table, ctx = make_paged(contexts, block_size, SPLIT_KV_HEADS, SPLIT_KV_HEADS,
+                                                           head_dim, dtype, DEVICE, seed=batch)
+        splits.add(launch._num_splits(batch * SPLIT_KV_HEADS, table.shape[1] * block_size, block_n, q.device))
+        out = paged_decode_attention(q, k_cache, v_cache, table, ctx)
+        ref = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), table, ctx)
+        assert_close_relative(out, ref, dtype)
+    assert len(splits) >= 2 and max(splits) > 1, splits
 
 
 # ---------------------------------------------------------------------------------------------- input checks
@@ -114,7 +105,7 @@ def test_paged_split_k_paths(num_splits):
 
 
 def _paged_args(**overrides):
-    q, _, _, k_cache, v_cache, table, ctx = make_paged([3, 20], 16, 4, 2, 16, torch.float32, device="cpu")
+    q, _, _, k_cache, v_cache, table, ctx = make_paged([3, 20], 16, 4, 2, 16, torch.float32, "cpu")
     args = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": table, "context_lens": ctx}
     args.update(overrides)
     return args

@@ -1,0 +1,300 @@
+"""The sections of benchmarks/gpu_check.py: one function each, taking its Context, returning a dict
+(optionally with "status" and a one-line "headline"); an exception is recorded by the runner.
+
+Imported only after gpu_check.py has settled TRITON_INTERPRET (dry run / no CUDA: the interpreter).
+"""
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+SMI_QUERY = "name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,ecc.mode.current,mig.mode.current"
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}     # atol = rtol, as in kernels/tests
+
+
+def median_ms(fn, warmup: int = 3, repeats: int = 10, cuda: bool = True) -> float:
+    """Median milliseconds per call: CUDA events on a GPU, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _copy_bytes_s(device: str, cuda: bool) -> float:
+    """Bytes read + written per second copying a buffer of random data far larger than any cache."""
+    src = torch.rand((1 << 30) if cuda else (1 << 24), device=device)      # 4 GiB on a GPU, 64 MiB dry
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / (median_ms(lambda: dst.copy_(src), 2, 10 if cuda else 3, cuda) / 1e3)
+
+
+def environment(ctx) -> dict:
+    import triton
+    cuda = not ctx.dry
+    r = {"device": ctx.device, "python": sys.version.split()[0], "torch": torch.__version__,
+         "triton": triton.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv"], capture_output=True,
+                             text=True, timeout=30)
+        r["nvidia_smi"] = (smi.stdout or smi.stderr).strip()
+    if cuda:
+        p = torch.cuda.get_device_properties(0)
+        r |= {"gpu": p.name, "capability": f"{p.major}.{p.minor}", "sm_count": p.multi_processor_count,
+              "memory_gib": round(p.total_memory / 2**30, 1), "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+              "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+              "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    ctx.measured["copy_bytes_s"] = _copy_bytes_s(ctx.device, cuda)
+    torch.cuda.empty_cache() if cuda else None
+    n = 8192 if cuda else 256
+    a, b = (torch.randn(n, n, device=ctx.device, dtype=torch.bfloat16) for _ in range(2))
+    ms = median_ms(lambda: a @ b, 5, 20 if cuda else 3, cuda)
+    ctx.measured["matmul_flops"] = 2 * n**3 / (ms / 1e3)
+    r |= {"copy_buffer_mib": (4096 if cuda else 64), "copy_gb_s": ctx.measured["copy_bytes_s"] / 1e9,
+          "matmul_n": n, "bf16_matmul_tflops": ctx.measured["matmul_flops"] / 1e12}
+    r["headline"] = (f"{r.get('gpu', 'CPU (dry run)')}: copy {r['copy_gb_s']:.0f} GB/s, bf16 matmul "
+                     f"{r['bf16_matmul_tflops']:.3g} TFLOP/s; torch {r['torch']}, triton {r['triton']}")
+    return r
+
+
+def _kernel_info(device: str) -> dict:
+    """What runs the kernels here ("triton", "triton-interpreted") and how many variants compiled so far."""
+    import ablate_kernels as ak
+    return {"backend": getattr(ak, "backend_label", lambda d: "unknown")(device),
+            "compiled_variants": getattr(ak, "compiled_variants", lambda: None)()}
+
+
+def _errors(out: torch.Tensor, ref: torch.Tensor, dtype) -> dict:
+    """max |out - ref|, that over max |ref| (a norm-wise relative error), and the tests' allclose."""
+    out, ref, tol = out.float(), ref.float(), TOLERANCE[dtype]
+    diff = (out - ref).abs().max().item()
+    return {"max_abs_err": diff, "max_rel_err": diff / max(ref.abs().max().item(), 1e-6), "tol": tol,
+            "pass": bool(torch.isfinite(out).all()) and torch.allclose(out, ref, atol=tol, rtol=tol)}
+
+
+def _kernel_cases(dtype, head_dim: int, group: int, dry: bool, device: str) -> list[dict]:
+    import ablate_kernels as ak
+    gen = torch.Generator().manual_seed(head_dim * 10 + group)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+    kv_heads, heads = 2, 2 * group
+    # ragged: a one-token sequence, lengths off the tile sizes, and queries after a cached prefix (q < k)
+    q_lens, k_lens = ([1, 7, 33], [1, 12, 40]) if dry else ([1, 127, 500, 1031], [1, 127, 800, 1048])
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                  for n in (q_lens, k_lens))
+    q = rand(sum(q_lens), heads, head_dim)                                                  # (T_q, H, D)
+    k, v = rand(sum(k_lens), kv_heads, head_dim), rand(sum(k_lens), kv_heads, head_dim)    # (T_k, H_kv, D)
+    out = ak.flash_attention_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=True)
+    ref = ak.flash_attention_varlen_ref(q.float(), k.float(), v.float(), cu_q, cu_k, causal=True)
+    cases = [{"kernel": "flash_attention_varlen", **_errors(out, ref, dtype)}]
+    ctx_lens = [1, 17, 48] if dry else [1, 130, 1000, 4097]
+    block, batch, s_max = 16, len(ctx_lens), -(-max(ctx_lens) // 16) * 16
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    qd = rand(batch, heads, head_dim)                                                        # (B, H, D)
+    kd, vd = rand(batch, s_max, kv_heads, head_dim), rand(batch, s_max, kv_heads, head_dim)  # (B, S, H_kv, D)
+    out = ak.flash_attention_decode(qd, kd, vd, lens)
+    ref = ak.flash_attention_decode_ref(qd.float(), kd.float(), vd.float(), lens)
+    cases.append({"kernel": "flash_attention_decode", **_errors(out, ref, dtype)})
+    # paged: a shuffled block table over a pool with spare (garbage) blocks
+    per_seq, num_blocks = s_max // block, batch * (s_max // block) + 3
+    table = torch.randperm(num_blocks, generator=gen)[:batch * per_seq].view(batch, per_seq).to(device, torch.int32)
+    k_cache, v_cache = (rand(num_blocks, block, kv_heads, head_dim) for _ in range(2))
+    out = ak.paged_decode_attention(qd, k_cache, v_cache, table, lens)
+    ref = ak.paged_decode_attention_ref(qd.float(), k_cache.float(), v_cache.float(), table, lens)
+    cases.append({"kernel": "paged_decode_attention", **_errors(out, ref, dtype)})
+    return [{**c, "dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "group": group} for c in cases]
+
+
+def kernel_correctness(ctx) -> dict:
+    if ctx.dry:   # a handful: every head dim, group and dtype once
+        combos = [(torch.bfloat16, 64, 1), (torch.float16, 128, 3), (torch.bfloat16, 256, 9), (torch.float16, 64, 4)]
+    else:
+        combos = [(dt, d, g) for dt in (torch.bfloat16, torch.float16) for d in (64, 128, 256) for g in (1, 3, 4, 9)]
+    cases = [case for combo in combos for case in _kernel_cases(*combo, ctx.dry, ctx.device)]
+    failed = [c for c in cases if not c["pass"]]
+    worst = max(cases, key=lambda c: c["max_rel_err"])
+    return {"status": "failed" if failed else "ok", **_kernel_info(ctx.device), "cases": cases,
+            "headline": f"{len(cases) - len(failed)}/{len(cases)} pass; worst max_rel_err {worst['max_rel_err']:.2e}"
+                        f" ({worst['kernel']} {worst['dtype']} d{worst['head_dim']} g{worst['group']})"}
+
+
+def _prefill_row(kg, seqlen: int, head_dim: int, heads: int, kv_heads: int, ctx) -> dict:
+    """Flash prefill against each SDPA backend kernels_gpu.sdpa_backends() can force (best GQA mode each)."""
+    import ablate_kernels as ak
+    cuda, dtype = not ctx.dry, torch.bfloat16
+    q = torch.randn(seqlen, heads, head_dim, device=ctx.device, dtype=dtype)         # (T, H, D)
+    k, v = (torch.randn(seqlen, kv_heads, head_dim, device=ctx.device, dtype=dtype) for _ in range(2))
+    cu = torch.tensor([0, seqlen], device=ctx.device, dtype=torch.int32)
+    warmup, repeats = (5, 20) if cuda else (0, 1)
+    flops = 4 * heads * seqlen * seqlen * head_dim / 2              # causal: half of QK^T and PV
+    flash_ms = median_ms(lambda: ak.flash_attention_varlen(q, k, v, cu, cu, seqlen, seqlen, causal=True),
+                         warmup, repeats, cuda)
+    row = {"seqlen": seqlen, "head_dim": head_dim, "flash_tflops": flops / flash_ms / 1e9}
+    tuning = sys.modules.get("ablate_kernels.tuning")      # the prefill autotuner's pick, where there is one
+    row["autotuned_config"] = getattr(tuning, "last_prefill_config", lambda: None)()
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))   # (1, heads, T, D)
+    modes = (("gqa", ks, vs, True), ("repeat_kv", ks.repeat_interleave(heads // kv_heads, 1),
+                                     vs.repeat_interleave(heads // kv_heads, 1), False))
+    for label, backend in kg.sdpa_backends():
+        best = math.inf
+        for _, kk, vv, gqa in modes:
+            def call(kk=kk, vv=vv, gqa=gqa):
+                with backend():
+                    return F.scaled_dot_product_attention(qs, kk, vv, is_causal=True, enable_gqa=gqa)
+            try:
+                best = min(best, median_ms(call, warmup, repeats, cuda))
+            except (RuntimeError, ValueError, NotImplementedError):   # backend unsupported here
+                continue
+        if best < math.inf:
+            row[f"sdpa_{label}_tflops"] = flops / best / 1e9
+            row[f"speedup_vs_sdpa_{label}"] = best / flash_ms
+    return row
+
+
+def kernel_timing(ctx) -> dict:
+    import kernels_gpu as kg
+    heads, kv_heads = (4, 2) if ctx.dry else (getattr(kg, "NUM_HEADS", 32), getattr(kg, "NUM_KV_HEADS", 8))
+    shapes = [(64, 64)] if ctx.dry else [(t, d) for d in (64, 128) for t in (4096, 8192, 16384)]
+    prefill = [_prefill_row(kg, t, d, heads, kv_heads, ctx) for t, d in shapes]
+    r = {**_kernel_info(ctx.device), "prefill": prefill,
+         "prefill_note": f"causal bf16, H={heads} H_kv={kv_heads}; speedup = sdpa_ms / flash_ms (> 1: flash faster)"}
+    if ctx.dry:
+        r["decode"] = "skipped: needs CUDA (kernels_gpu.bench_decode times with CUDA events)"
+        r["headline"] = "dry run: prefill code path exercised on tiny shapes; timings not meaningful"
+        return r
+    torch.cuda.empty_cache()
+    r["decode"] = [{k: v for k, v in row.items() if k != "sweep"}
+                   for row in kg.bench_decode(SimpleNamespace(warmup=5, repeats=20, sweep=False, configs=False))]
+    torch.cuda.empty_cache()        # for the CLI runs that follow, in their own processes
+    last = prefill[-1]
+    paged = next((row for row in r["decode"] if row.get("bench") == "paged_decode"), {})
+    vs = {k.removeprefix("speedup_vs_sdpa_"): round(v, 2) for k, v in last.items() if k.startswith("speedup_vs")}
+    r["headline"] = (f"prefill T={last['seqlen']} d{last['head_dim']}: flash {last['flash_tflops']:.0f} TFLOP/s, "
+                     f"speedup vs SDPA {vs}; paged decode vs SDPA {paged.get('speedup', float('nan')):.2f}x")
+    return r
+
+
+def run_cli(ctx, name: str, overrides: list[str], timeout: float) -> dict:
+    """`python -m ablate` in a subprocess; its summary.csv read back (None when the run wrote none)."""
+    import pandas as pd
+    model = (["model=tiny", "model.init=random", "device=cpu", "threads=1"] if ctx.dry else
+             ["model=llama-3.2-1b", "model.init=random", "model.dtype=bf16", "device=cuda"])
+    peaks = (["peak_bandwidth=1e10", "peak_flops=1e11"] if ctx.dry else
+             [f"peak_bandwidth={ctx.measured['copy_bytes_s']:.4g}", f"peak_flops={ctx.measured['matmul_flops']:.4g}"]
+             if "matmul_flops" in ctx.measured else [])
+    cmd = [sys.executable, "-m", "ablate", *overrides, *model, "workload.source=random", *peaks, "redo=true",
+           "wandb.mode=disabled", f"results_dir={ctx.out / 'runs'}", f"hydra.run.dir={ctx.out / 'hydra' / name}"]
+    log = ctx.out / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=ctx.child_env(), capture_output=True, text=True,
+                              timeout=max(min(timeout, ctx.remaining()), 30))
+        rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, stdout, stderr = "timeout", str(exc.stdout or ""), str(exc.stderr or "") + f"\ntimed out after {timeout} s"
+    log.write_text(f"$ {' '.join(cmd)}\n\n{stdout}\n--- stderr ---\n{stderr}")
+    found = re.findall(r"^results: (.+)$", f"{stdout}\n{stderr}", flags=re.M)
+    summary = Path(found[-1].strip()) / "summary.csv" if found else None
+    run = {"rc": rc, "wall_s": round(time.monotonic() - started, 1), "log": str(log),
+           "run_dir": str(summary.parent) if summary else None}
+    run["summary"] = pd.read_csv(summary) if summary and summary.exists() else None
+    if rc != 0 or run["summary"] is None:
+        run["error_tail"] = "\n".join((stderr or stdout).strip().splitlines()[-8:])
+    return run
+
+
+def _speedups(summary) -> list[dict]:
+    cols = [c for c in ("prompt_len", "output_len", "arm", "status", "speedup", "speedup_ci_low", "speedup_ci_high",
+                        "time_ratio", "tpot_p50_ms", "ttft_p50_ms") if c in summary.columns]
+    return summary[cols].round(4).to_dict("records")
+
+
+EXPERIMENTS = {   # name: (overrides on a GPU, on the dry run)
+    "ch08_kv_cache": (["experiment.grid.output_len=[32,128]"], ["experiment.grid.output_len=[8]"]),
+    "ch12_flash": (["experiment.grid.prompt_len=[1024,4096,8192]"], ["experiment.grid.prompt_len=[64]"]),
+    "ablation": (["workload.num_requests=4"], ["workload.num_requests=2", "workload.output_len=4"]),
+}
+
+
+def experiments(ctx) -> dict:
+    r, failed = {}, []
+    for name, (gpu, dry) in EXPERIMENTS.items():
+        run = run_cli(ctx, name, [f"+experiment={name}", "experiment.repeats=3", *(dry if ctx.dry else gpu)],
+                      timeout=120 if ctx.dry else 150)
+        summary = run.pop("summary")
+        if summary is None or run["rc"] != 0:
+            failed.append(name)
+        else:
+            run["speedups"] = _speedups(summary)
+        r[name] = run
+        ctx.progress(r)
+    r["status"] = "ok" if not failed else "partial" if len(failed) < len(EXPERIMENTS) else "failed"
+    r["headline"] = ", ".join(f"{n} {r[n]['wall_s']:.0f} s{' FAILED' if n in failed else ''}" for n in EXPERIMENTS)
+    return r
+
+
+GRAPH_ARMS = ("{eager: {kv_cache: contiguous, attention: flash}, "
+              "graphs: {kv_cache: contiguous, attention: flash, engine: {graphs: true}}}")
+EAGER_ONLY = "{eager: {kv_cache: contiguous, attention: flash}}"
+
+
+def decode_mbu(ctx) -> dict:
+    """MBU = (weight bytes + KV bytes read) per decode step / TPOT p50 / the measured copy bandwidth."""
+    from ablate.model.config import preset
+    cfg = preset("tiny" if ctx.dry else "llama-3.2-1b", dtype="fp32" if ctx.dry else "bf16")
+    # a decode step reads every weight once (the LM head, not the embedding table: only B rows of it)
+    weight_bytes = (cfg.num_params(include_embeddings=False) + cfg.vocab_size * cfg.d_model) * cfg.torch_dtype.itemsize
+    prompt_len, output_len = 128, (8 if ctx.dry else 128)
+    bandwidth = ctx.measured.get("copy_bytes_s")
+    r, rows = {"weight_bytes": weight_bytes, "kv_bytes_per_token": cfg.kv_bytes_per_token(),
+               "copy_gb_s": bandwidth and bandwidth / 1e9, "status": "ok"}, []
+    for batch in (1, 2) if ctx.dry else (1, 16):
+        common = [f"experiment.name=gpu_check_mbu_b{batch}", f"workload.num_requests={batch}", "experiment.repeats=3",
+                  f"engine.max_num_seqs={batch}", f"workload.prompt_len={prompt_len}", "experiment.warmup=1",
+                  f"workload.output_len={output_len}", "experiment.quality.enabled=false"]
+        run = run_cli(ctx, f"mbu_b{batch}", [f"++experiment.arms={GRAPH_ARMS}", *common], timeout=120)
+        if run["summary"] is None:  # e.g. the per-arm engine option is refused: eager alone still measures
+            r[f"graphs_b{batch}_error"] = run.get("error_tail", "")
+            run = run_cli(ctx, f"mbu_b{batch}_eager", [f"++experiment.arms={EAGER_ONLY}", *common], timeout=120)
+            r["status"] = "partial"
+        if run["summary"] is None:
+            raise RuntimeError(f"decode MBU batch {batch}: no summary ({run.get('error_tail', '')})")
+        # a decode step at batch B reads the weights once and each sequence's context (mean: prompt + output / 2)
+        step_bytes = weight_bytes + batch * (prompt_len + output_len / 2) * cfg.kv_bytes_per_token()
+        row = {"batch": batch, "wall_s": run["wall_s"], "log": run["log"], "step_bytes": step_bytes}
+        for arm in run["summary"].itertuples():
+            row[f"tpot_p50_ms_{arm.arm}"] = arm.tpot_p50_ms
+            row[f"mbu_{arm.arm}"] = step_bytes / (arm.tpot_p50_ms / 1e3) / bandwidth if bandwidth else None
+            row[f"ablate_mbu_decode_{arm.arm}"] = getattr(arm, "mbu_decode", None)
+            if getattr(arm, "status", "ok") not in ("ok", "degraded"):     # e.g. a graphs arm that failed
+                row[f"status_{arm.arm}"] = f"{arm.status}: {getattr(arm, 'status_detail', '')}"
+        if "tpot_p50_ms_graphs" in row:
+            row["graphs_speedup"] = row["tpot_p50_ms_eager"] / row["tpot_p50_ms_graphs"]
+        rows.append(row)
+        ctx.progress({**r, "batches": rows})
+    r["batches"] = rows
+    r["headline"] = "; ".join(f"B={row['batch']}: MBU eager {row.get('mbu_eager') or float('nan'):.1%}, graphs "
+                              f"{row.get('mbu_graphs') or float('nan'):.1%}, graphs/eager "
+                              f"{row.get('graphs_speedup', float('nan')):.2f}x" for row in rows)
+    return r

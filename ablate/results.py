@@ -2,9 +2,10 @@
 
 A run folder holds config.json (the resolved config), environment.json (versions, device, git
 commit), runs.csv (grid point x arm x repeat), requests.csv (one row per request), summary.csv
-(grid point x arm) and report.md. The run id is a hash of the resolved config, so a re-run of the
-same config finds its finished folder and is skipped unless asked to redo it; nothing finished is
-ever overwritten silently (a redo moves the old folder aside).
+(grid point x arm) and report.md. The run id is a hash of the resolved config and the device it
+ran on (ablate.experiment.job.run_identity: a CPU run never stands for a GPU run), so a re-run of the
+same config on the same device finds its finished folder and is skipped unless asked to redo it;
+nothing finished is ever overwritten silently (a redo moves the old folder aside).
 """
 from __future__ import annotations
 

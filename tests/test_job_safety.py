@@ -7,8 +7,9 @@ import sys
 
 import pandas as pd
 import pytest
+import torch
 
-from ablate.experiment.job import NOT_MEASURED, run_job
+from ablate.experiment.job import run_identity, run_job
 from ablate.results import RunFolder, RunLocked
 from ablate_kv_cache.contiguous import ContiguousConfig, ContiguousKVCache
 from broken_plugins import config
@@ -28,8 +29,7 @@ class ExitsTheProcess(ContiguousKVCache):
 
 def test_a_second_process_on_the_same_config_is_refused(compose_config, registry, tmp_path):
     raw = compose_config(tmp_path, *SMALL)
-    measured = {k: v for k, v in raw.items() if k not in NOT_MEASURED}
-    folder = RunFolder.for_config(tmp_path / "results", raw["experiment"]["name"], measured)
+    folder = RunFolder.for_config(tmp_path / "results", raw["experiment"]["name"], run_identity(raw, torch.device("cpu")))
     with folder.lock():                        # stands in for another process measuring it now
         with pytest.raises(RunLocked, match="is measuring this config right now"):
             run_job(raw, registry)

@@ -182,7 +182,8 @@ def test_record_has_readable_units_and_provenance(calls):
     p = peaks(torch.bfloat16)
     rec = p.record()
     assert set(rec) == {"peak_bandwidth_gb_s", "peak_flops_gflop_s", "source", "measured_at", "machine",
-                        "threads", "dtype"}
+                        "threads", "dtype", "method"}
+    assert rec["method"] == hardware.CPU_METHOD                  # how the figures were measured
     assert rec["peak_bandwidth_gb_s"] == pytest.approx(12.9) and rec["peak_flops_gflop_s"] == pytest.approx(50.0)
     assert (rec["source"], rec["threads"], rec["dtype"]) == ("measured", 1, "bfloat16")
     assert rec["measured_at"] == p.measured_at != ""
@@ -273,3 +274,8 @@ def test_the_callback_expands_swept_dtypes_and_threads(registry):
         jobs = sweep_callbacks.job_configs(cfg)
     targets = {(*sweep_callbacks.peak_targets(j), sweep_callbacks.job_threads(j)) for j in jobs}
     assert targets == {("cpu", dtype, 0.0, 0.0, threads) for dtype in ("fp32", "bf16") for threads in (1, 2)}
+
+
+def test_the_callback_resolves_dtype_auto_as_the_jobs_will(calls):
+    """model.dtype=auto (the root config's default): the peaks of the dtype a job resolves on the device."""
+    assert sweep_callbacks.measure_once("cpu", "auto", 1, 0.0, 0.0).dtype == "float32"

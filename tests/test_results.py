@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from ablate.experiment.job import NOT_MEASURED, run_job
+from ablate.experiment.job import run_identity, run_job
 from ablate.measure.metrics import goodput, kv_utilisation, request_table, summarise
 from ablate.measure.recorder import Recorder, RequestRecord, StepRecord
 from ablate.analysis.stats import log_interval
@@ -49,9 +50,15 @@ def test_composed_config_is_what_the_cli_hands_over(offline_job):
     assert raw["kv_cache"]["name"] == "contiguous" and raw["kv_cache"]["budget_bytes"] == 0
     assert raw["model"]["name"] == "tiny" and raw["results_dir"] == str(tmp / "results")
     assert folder.path.parent == tmp / "results" / "default"
-    assert json.loads((folder.path / "config.json").read_text()) == raw
+    # model.dtype=auto (the root config's default) is recorded as what it resolved to on this device
+    assert raw["model"]["dtype"] == "auto"
+    assert json.loads((folder.path / "config.json").read_text()) == {**raw, "model": {**raw["model"], "dtype": "fp32"}}
     env = json.loads((folder.path / "environment.json").read_text())
-    assert env["device"] == "cpu" and env["versions"]["torch"]
+    assert env["device"] == "cpu" and env["versions"]["torch"] and env["device_identity"] == "cpu"
+    assert set(env["tf32"]) == {"cuda_matmul_allow_tf32", "cudnn_allow_tf32", "float32_matmul_precision"}
+    assert env["free_memory_bytes_at_start"] > 0
+    runs = load(folder.path).runs
+    assert set(runs["dtype"]) == {"fp32"}
 
 
 @pytest.mark.slow   # the shared job, logged to W&B offline, takes several seconds
@@ -115,10 +122,11 @@ def test_same_config_is_skipped_unless_redo(compose_config, registry, tmp_path, 
     # W&B settings do not change what is measured: still the same run
     assert run_job({**raw, "wandb": {**raw["wandb"], "project": "other"}}, registry).path == first.path
     assert "already finished" in capsys.readouterr().out
-    # a measured field is another run (its id is the hash of the measured config)
-    assert config_hash({k: v for k, v in raw.items() if k not in NOT_MEASURED}) == first.path.name
+    # a measured field is another run (its id is the hash of the measured config and the device)
+    cpu = torch.device("cpu")
+    assert config_hash(run_identity(raw, cpu)) == first.path.name
     other = {**raw, "workload": {**raw["workload"], "seed": 1}}
-    assert config_hash({k: v for k, v in other.items() if k not in NOT_MEASURED}) != first.path.name
+    assert config_hash(run_identity(other, cpu)) != first.path.name
 
     redone = run_job({**raw, "redo": True}, registry)
     out = capsys.readouterr().out

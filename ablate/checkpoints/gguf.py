@@ -8,16 +8,16 @@ rotate-half form our model (and Hugging Face's) uses.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from ablate.checkpoints.gguf_file import GGUFError, GGUFFile, read_gguf
+from ablate.checkpoints.lazy import LazyTensors
 from ablate.model.config import ModelConfig
 
-__all__ = ["GGUFError", "GGUFFile", "expected_shapes", "gguf_model_fields", "gguf_state_dict", "hf_name",
-           "read_gguf", "unpermute_rotary_rows"]
+__all__ = ["GGUFError", "GGUFFile", "expected_shapes", "gguf_model_fields", "gguf_state_dict", "gguf_tensors",
+           "hf_name", "read_gguf", "unpermute_rotary_rows"]
 
 EXPECTED_ARCHITECTURE = "llama"
 
@@ -116,20 +116,30 @@ def unpermute_rotary_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, dim).transpose(1, 2).reshape(rows, dim)   # (rows, dim)
 
 
-def gguf_state_dict(gf: GGUFFile, cfg: ModelConfig, max_workers: int | None = None) -> dict[str, torch.Tensor]:
-    """All tensors of a Llama GGUF, dequantised to fp32, named and laid out as in Hugging Face's Llama.
+def build_order(cfg: ModelConfig) -> list[str]:
+    """expected_shapes' tensors in the order LlamaModel.from_hf_state_dict takes them (read ahead so)."""
+    shapes = expected_shapes(cfg)
+    last = ["output_norm.weight", "output.weight"]
+    return [name for name in shapes if name not in last] + [name for name in last if name in shapes]
 
-    Checks every tensor's presence and shape against `cfg` first, naming the GGUF tensor on error,
-    and that every value is finite (NaN or inf is a GGUFError naming the file and the tensor).
-    Tensors dequantise in a thread pool: torch and numpy release the GIL in the element-wise work.
+
+def gguf_tensors(gf: GGUFFile, cfg: ModelConfig, max_workers: int | None = None) -> LazyTensors:
+    """All tensors of a Llama GGUF by their Hugging Face names, each dequantised to fp32 and laid out
+    as in Hugging Face's Llama only when it is looked up (ablate.checkpoints.lazy: the next few are
+    dequantised ahead in threads), so host memory never holds the whole model in fp32.
+
+    Checks every tensor's presence and shape against `cfg` first, naming the GGUF tensor on error;
+    a tensor holding NaN or inf is a GGUFError naming the file and the tensor when it is read.
     """
     shapes = expected_shapes(cfg)
     for name, shape in shapes.items():
         info = gf.tensor_info(name)
         if info.shape != shape:
             raise GGUFError(f"{gf.path}: tensor {name!r} has shape {info.shape}, expected {shape}")
+    gguf_names = {hf_name(name): name for name in shapes}
 
-    def convert(name: str) -> tuple[str, torch.Tensor]:
+    def convert(hf: str) -> torch.Tensor:
+        name = gguf_names[hf]
         w = gf.dequantize(name)                                   # fp32, numpy/torch shape
         if not bool(torch.isfinite(w).all()):      # the model would run and print garbage
             raise GGUFError(f"{gf.path}: tensor {name!r} holds {int((~torch.isfinite(w)).sum())} NaN or infinite "
@@ -138,10 +148,16 @@ def gguf_state_dict(gf: GGUFFile, cfg: ModelConfig, max_workers: int | None = No
             w = unpermute_rotary_rows(w, cfg.n_heads)
         elif ".attn_k." in name:
             w = unpermute_rotary_rows(w, cfg.n_kv_heads)
-        return hf_name(name), w.contiguous()
+        return w.contiguous()
 
     workers = max_workers or min(8, os.cpu_count() or 1)
-    # largest first so that the pool stays busy to the end
-    order = sorted(shapes, key=lambda n: -gf.tensors[n].nbytes)
-    with ThreadPoolExecutor(workers) as pool:
-        return dict(pool.map(convert, order))
+    return LazyTensors(convert, [hf_name(name) for name in build_order(cfg)], workers)
+
+
+def gguf_state_dict(gf: GGUFFile, cfg: ModelConfig, max_workers: int | None = None) -> dict[str, torch.Tensor]:
+    """gguf_tensors, every tensor read now: a plain dict (for transformers' load_state_dict)."""
+    tensors = gguf_tensors(gf, cfg, max_workers)
+    try:
+        return dict(tensors.items())
+    finally:
+        tensors.close()

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ablate.checkpoints.lazy import LazyTensors
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -145,28 +147,38 @@ def safetensors_files(directory: str | os.PathLike) -> tuple[list[Path], dict[st
     return files, {}
 
 
-def hf_state_dict(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    """(every tensor by its Hugging Face name, the file each came from)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def hf_state_dict(directory: str | os.PathLike) -> tuple[LazyTensors, dict[str, Path]]:
+    """(every tensor by its Hugging Face name, the file each is in). The tensors are read from their
+    file only when looked up (ablate.checkpoints.lazy), each checked to be finite then: the files'
+    headers are read here, never the whole checkpoint into host memory."""
+    from safetensors import SafetensorError, safe_open
 
     files, weight_map = safetensors_files(directory)
-    weights: dict[str, torch.Tensor] = {}
+    handles: dict[str, Any] = {}
     origin: dict[str, Path] = {}
     for path in files:
         if not path.is_file():
             raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} does not exist")
         try:
-            shard = load_file(path)
+            handles[str(path)] = handle = safe_open(str(path), framework="pt", device="cpu")
+            names = list(handle.keys())
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors file: {e}") from e
-        check_finite(shard, path)
-        weights.update(shard)
-        origin.update(dict.fromkeys(shard, path))
+        origin.update(dict.fromkeys(names, path))
     for name, file in weight_map.items():
-        if name not in weights:
+        if name not in origin:
             raise CheckpointError(f"{Path(directory) / file}: missing tensor {name!r} (listed in {INDEX_FILE})")
-    return weights, origin
+
+    def read(name: str) -> torch.Tensor:
+        path = origin[name]
+        try:
+            tensor = handles[str(path)].get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: cannot read tensor {name!r}: {e}") from e
+        check_finite({name: tensor}, path)
+        return tensor
+
+    return LazyTensors(read, list(origin)), origin
 
 
 def check_finite(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:

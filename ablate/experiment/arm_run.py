@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pandas as pd
 
 from ablate.analysis.analytic import CostModel
 from ablate.api.context import EngineConfig
+from ablate.api.kv import KVBudgetConfig
 from ablate.api.plugin import Slot
 from ablate.api.sequence import Request, Sequence
 from ablate.engine.arm import Arm, build_arm
 from ablate.engine.registry import Registry
 from ablate.measure import device as dev
 from ablate.measure.hardware import Peaks
-from ablate.measure.memory import TensorMemoryTracker
+from ablate.measure.memory import TensorMemoryTracker, cuda_peak_since, resident_weight_bytes, start_cuda_peak
 from ablate.measure.metrics import request_table, roofline, summarise
 from ablate.measure.quality import runner_perplexity
 from ablate.measure.recorder import Recorder
@@ -42,10 +44,25 @@ def expects_baseline_tokens(arm: Arm, baseline: Arm, registry: Registry) -> bool
                if config != baseline.plugins[slot])
 
 
+def with_fixed_kv_budget(arm: Arm, free_bytes: int | None, model_for: Callable[[Arm], LlamaModel]) -> Arm:
+    """The arm with kv_cache.budget_fraction turned into budget_bytes of one reading of free memory,
+    taken at the job's start (before any arm: what earlier arms leave in the allocator's cache must
+    not shrink later arms' budgets), less the arm's model, as if the arm ran alone:
+    budget_bytes = budget_fraction x (free at the start - the arm's model's weight bytes)."""
+    config = arm.plugins.get(Slot.KV_CACHE)
+    if free_bytes is None or not isinstance(config, KVBudgetConfig) or not config.budget_fraction:
+        return arm
+    budget = int(config.budget_fraction * max(free_bytes - model_for(arm).weight_bytes(), 0))
+    fixed = replace(config, budget_bytes=max(budget, 1), budget_fraction=0.0)   # 0 bytes would mean "no limit"
+    return replace(arm, plugins={**arm.plugins, Slot.KV_CACHE: fixed})
+
+
 def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: EngineConfig,
              registry: Registry, peaks: Peaks | None, record: bool, track_memory: bool = False) -> ArmRun:
     """Build the arm's engine afresh and serve the requests once. A plugin that breaks the contract
-    raises PluginError (the engine's checks)."""
+    raises PluginError (the engine's checks). On a GPU the peak memory is the arm's own: the
+    allocator's peak from before the build (its KV cache counts) less what was allocated then
+    (other arms' models, a probe's leftovers), plus the weights it shares with the resident model."""
     max_seq_len = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
     max_seq_len = engine_cfg.max_seq_len or max_seq_len
     if max_seq_len > model.config.max_seq_len:
@@ -60,6 +77,10 @@ def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: E
         recorders.append(Recorder(kv_cache))
         return recorders
 
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    if on_gpu:
+        gc.collect()                        # an earlier arm's garbage freed before the mark, not during the arm
+        allocated_before = start_cuda_peak(next(model.parameters()).device)   # before the build: its KV counts
     built = build_arm(arm, model, engine_cfg, max_seq_len, registry, hooks)
     try:
         arm_model = built.engine.runner.model        # after the arm's variant (GQA, MLA...): what actually runs
@@ -69,7 +90,6 @@ def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: E
         tracker = TensorMemoryTracker() if track_memory and device.type != "cuda" else contextlib.nullcontext()
         kv_reserved_before = built.kv_cache.bytes_reserved()
         gc.collect()
-        dev.reset_peak_memory(device)
         start = dev.now(device)
         with tracker:
             seqs = built.engine.run(requests)
@@ -87,10 +107,14 @@ def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: E
             requests_df = pd.DataFrame()
         row["kv_bytes_per_token"] = built.kv_cache.bytes_per_token
         row["weight_bytes"] = arm_model.weight_bytes()
-        cuda_peak = dev.peak_memory_bytes(device)
-        # peak memory: the CUDA allocator's peak; on the CPU the tensors we track (weights + KV) and RSS
-        row["peak_memory_bytes"] = cuda_peak if cuda_peak is not None else row["weight_bytes"] + row.get(
-            "kv_reserved_peak_bytes", 0)
+        row["dtype"] = arm_model.config.dtype           # resolved (model.dtype=auto: bf16 on CUDA, fp32 on the CPU)
+        # peak memory: the arm's own CUDA allocator peak (run_once's docstring); on the CPU the tensors
+        # we track (weights + KV) and RSS
+        if on_gpu:
+            row["peak_memory_bytes"] = (cuda_peak_since(device, allocated_before)
+                                        + resident_weight_bytes(arm_model, model))
+        else:
+            row["peak_memory_bytes"] = row["weight_bytes"] + row.get("kv_reserved_peak_bytes", 0)
         if isinstance(tracker, TensorMemoryTracker):
             # weights and KV held before the run, plus everything the run allocated that was live at once
             row["tracked_peak_bytes"] = tracker.peak_bytes

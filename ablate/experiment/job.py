@@ -29,8 +29,9 @@ from ablate.experiment.plan import make_plan
 from ablate.experiment.run import ExperimentResult, run_experiment
 from ablate.measure import device as dev
 from ablate.measure import hardware
+from ablate.model.config import resolve_dtype
 from ablate.model.llama import LlamaModel
-from ablate.report.ablation import wandb_extras
+from ablate.report.ablation import decode_modes, wandb_extras
 from ablate.report.console import job_prefix
 from ablate.report.declared import FILE as DECLARATIONS_FILE
 from ablate.report.page import write_report
@@ -40,6 +41,23 @@ from ablate.results import RunFolder, code_version, environment
 
 # keys that change where or how results are written, not what is measured
 NOT_MEASURED = ("wandb", "redo", "results_dir")
+
+
+def resolved_config(raw: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The composed config with what the device decides filled in (model.dtype=auto -> bf16 on CUDA,
+    fp32 on the CPU): what config.json, W&B and the run id record."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or "dtype" not in model:
+        return raw
+    return {**raw, "model": {**model, "dtype": resolve_dtype(str(model["dtype"]), device)}}
+
+
+def run_identity(raw: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """What a run's folder id hashes (RunFolder.for_config): the measured config, its dtype resolved,
+    and the device it runs on (`cpu`, `cuda: NVIDIA H200`), so that a finished CPU run never makes
+    the GPU job of the same config look finished (it would be skipped), nor the reverse."""
+    measured = {k: v for k, v in resolved_config(raw, device).items() if k not in NOT_MEASURED}
+    return measured | {"device_identity": dev.identity(device)}
 
 
 def run_job(raw: dict[str, Any], registry: Registry, swallow_errors: bool = False,
@@ -60,8 +78,9 @@ def run_job(raw: dict[str, Any], registry: Registry, swallow_errors: bool = Fals
 def _job(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swallow_errors: bool,
          job_dir: str | None, say) -> RunFolder | None:
     device = dev.resolve(cfg.device)
-    measured = {k: v for k, v in raw.items() if k not in NOT_MEASURED}
-    folder = RunFolder.for_config(Path(cfg.results_dir), cfg.experiment.name, measured)
+    cfg = replace(cfg, model=cfg.model.for_device(device))
+    raw = resolved_config(raw, device)
+    folder = RunFolder.for_config(Path(cfg.results_dir), cfg.experiment.name, run_identity(raw, device))
     try:
         folder.path.parent.mkdir(parents=True, exist_ok=True)
         if not os.access(folder.path.parent, os.W_OK):
@@ -90,8 +109,11 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
             say(f"continuing an unfinished run: {runs['repeat'].nunique()} round(s) kept from {folder.path}")
         elif not runs.empty:
             folder.set_aside(f"rounds measured by other code ({folder.code_version}, now {code})")
+    # before the peaks' probe and any arm: every arm's kv_cache.budget_fraction is of this one reading
+    free_bytes = dev.free_memory_bytes(device)
     peaks = _peaks(cfg, device, say)
-    env = environment(dev.describe(device)) | {"peaks": peaks.record() if peaks else None}
+    env = environment(dev.describe(device) | {"free_memory_bytes_at_start": free_bytes}) | {
+        "peaks": peaks.record() if peaks else None}
     folder.start(raw, env, redo=cfg.redo)
     _link(job_dir, folder)
     say(f"results: {folder.path}")
@@ -114,7 +136,7 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
 
         with dev.exclusive(device):
             result = run_experiment(cfg.experiment, plan.arms, loader, cfg.workload, cfg.engine, registry, peaks,
-                                    progress=say, done=done, on_round=keep)
+                                    progress=say, done=done, on_round=keep, kv_free_bytes=free_bytes)
         keep(result.runs, result.requests)
         folder.write_table("summary", result.summary)
         folder.write_text(DECLARATIONS_FILE, result.declared.to_json())
@@ -170,7 +192,9 @@ def _publish(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Exper
              "speedup = baseline time / arm time per round: geometric mean over rounds [t 95% CI on the "
              "log ratios; none under 3 rounds]; predicted = the analytic roofline's ratio",
              "quality: token agreement with the baseline's greedy text, and perplexity of held-out text "
-             "through each arm / the baseline's; an arm beyond the limits is *degraded* and gets no speedup"]
+             "through each arm / the baseline's; an arm beyond the limits is *degraded* and gets no speedup",
+             decode_modes(result.runs)]
+    notes = [n for n in notes if n]
     written = attempt("the report", lambda: write_report(
         folder.path, result.summary, point_keys, cfg.experiment.name, notes, result.runs, result.declared,
         ttft_slo_ms=cfg.experiment.ttft_slo_ms, tpot_slo_ms=cfg.experiment.tpot_slo_ms))

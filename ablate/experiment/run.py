@@ -39,7 +39,7 @@ from ablate.api.sequence import Sequence
 from ablate.engine.arm import Arm
 from ablate.engine.registry import Registry
 from ablate.experiment import quality_guard as quality
-from ablate.experiment.arm_run import ArmRun, arm_perplexity, expects_baseline_tokens, run_once
+from ablate.experiment.arm_run import ArmRun, arm_perplexity, expects_baseline_tokens, run_once, with_fixed_kv_budget
 from ablate.experiment.config import ExperimentConfig
 from ablate.experiment.summary import summarise_arms
 from ablate.measure.exactness import compare_greedy
@@ -84,15 +84,16 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
                    workload: WorkloadConfig, engine_cfg: EngineConfig, registry: Registry,
                    peaks: Peaks | None, progress: Callable[[str], None] = tqdm.write,
                    done: tuple[pd.DataFrame, pd.DataFrame] | None = None,
-                   on_round: Callable[[pd.DataFrame, pd.DataFrame], None] | None = None) -> ExperimentResult:
+                   on_round: Callable[[pd.DataFrame, pd.DataFrame], None] | None = None,
+                   kv_free_bytes: int | None = None) -> ExperimentResult:
     """Measure every grid point; `done` = (runs, requests) already measured, `on_round(runs, requests)`
-    is called with everything measured so far after each round."""
+    is called with everything measured so far after each round. `kv_free_bytes`: the memory free at the
+    job's start, what every arm's kv_cache.budget_fraction is a share of (None: each reads its own)."""
     if len({a.name for a in arms}) != len(arms):
         raise ValueError("experiment arms need distinct names")
     baseline_name = exp.baseline or arms[0].name
     if baseline_name not in {a.name for a in arms}:
         raise ValueError(f"experiment.baseline={baseline_name!r} is not an arm; arms are {[a.name for a in arms]}")
-    baseline = next(a for a in arms if a.name == baseline_name)
     models: dict[str, LlamaModel] = {}
     tokenizers: dict[str, Any] = {}
 
@@ -101,6 +102,9 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
         if key not in models:
             models[key] = model_loader(arm.model_overrides)
         return models[key]
+
+    arms = [with_fixed_kv_budget(a, kv_free_bytes, model_for) for a in arms]
+    baseline = next(a for a in arms if a.name == baseline_name)
 
     def tokenizer_for(model: LlamaModel, wl: WorkloadConfig):
         """The model's tokenizer, for workloads of text prompts (loaded once per checkpoint)."""

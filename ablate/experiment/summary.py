@@ -66,6 +66,8 @@ def summarise_arms(runs: pd.DataFrame, point_keys: list[str], baseline: str,
             for col in MEDIAN_COLUMNS:
                 if col in measured and pd.api.types.is_numeric_dtype(measured[col]):
                     row[col] = float(measured[col].median())
+            if "dtype" in measured:
+                row["dtype"] = measured["dtype"].iloc[0]                 # the arm's resolved model.dtype
             if "finish_order" in measured:
                 row["finish_order"] = measured["finish_order"].iloc[0]   # the first repeat's
             for col, stat in stats.items():        # the plugins' own figures, as each declares

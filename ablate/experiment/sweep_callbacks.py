@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ablate.measure import device as dev
 from ablate.measure import hardware
-from ablate.model.config import DTYPES
+from ablate.model.config import DTYPES, resolve_dtype
 
 # swept keys that can change a job's device, dtype, threads or given peaks (others are not expanded)
 PEAK_KEYS = ("device", "threads", "peak_bandwidth", "peak_flops", "model", "experiment", "costs")
@@ -83,7 +83,8 @@ def measure_once(device_name: str, dtype_name: str, threads: int, bandwidth: flo
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return hardware.peaks(dev.resolve(device_name), DTYPES[dtype_name], bandwidth, flops)
+        device = dev.resolve(device_name)      # model.dtype=auto: the dtype the jobs resolve on this device
+        return hardware.peaks(device, DTYPES[resolve_dtype(dtype_name, device)], bandwidth, flops)
     finally:
         torch.set_num_threads(before)
 

@@ -3,14 +3,18 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import os
 import re
+import subprocess
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import torch
 
+from ablate.api import kv
 from ablate.api.clock import now, synchronize  # noqa: F401  (the engine's clock: re-exported)
 
 
@@ -26,31 +30,114 @@ def resolve(name: str = "auto") -> torch.device:
     return device
 
 
-def reset_peak_memory(device: torch.device) -> None:
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free for KV caches (ablate.api.kv.free_memory_bytes: free GPU memory, available RAM),
+    read once at a job's start; on a GPU after the allocator hands back the blocks it keeps cached
+    (an earlier job of a sweep in this process may have left some)."""
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory_bytes(device: torch.device) -> int | None:
-    """Peak bytes allocated by tensors on the GPU since the last reset (None on the CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return None
+        gc.collect()
+        torch.cuda.empty_cache()
+    return kv.free_memory_bytes(device)
 
 
 def process_rss_bytes() -> int:
     return psutil.Process(os.getpid()).memory_info().rss
 
 
-def describe(device: torch.device) -> dict[str, str | int]:
-    """What results record about the device."""
-    info: dict[str, str | int] = {"device": str(device), "torch_threads": torch.get_num_threads()}
+def describe(device: torch.device) -> dict[str, Any]:
+    """What results record about the device (environment.json, the W&B config): its name, the TF32
+    settings (they change what an fp32 matmul computes and how fast) and, on a GPU, its provenance.
+    The torch and triton versions are in ablate.results.environment's `versions`."""
+    info: dict[str, Any] = {"device": str(device), "device_identity": identity(device),
+                            "torch_threads": torch.get_num_threads(), "tf32": tf32_settings()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info |= {"device_name": props.name, "device_memory_bytes": props.total_memory}
+        info |= {"device_name": props.name, "device_memory_bytes": props.total_memory, "gpu": gpu_provenance(device)}
     else:
         info |= {"device_name": _cpu_name(), "cpu_count": os.cpu_count() or 0}
     return info
+
+
+def identity(device: torch.device) -> str:
+    """The device a run measured on, as its run id includes it: `cpu`, or `cuda: <GPU name>` (a CPU
+    run must never stand for a GPU run of the same config, nor one GPU model for another)."""
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_properties(device).name}"
+    return device.type
+
+
+def tf32_settings() -> dict[str, Any]:
+    """Whether fp32 matmuls and convolutions may run in TF32 (10-bit mantissa) on tensor cores."""
+    return {"cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
+# nvidia-smi --query-gpu fields -> the names recorded (units: MHz for clocks)
+SMI_FIELDS = {"driver_version": "driver_version", "clocks.sm": "sm_clock_mhz", "clocks.mem": "memory_clock_mhz",
+              "clocks.max.sm": "max_sm_clock_mhz", "clocks.max.mem": "max_memory_clock_mhz",
+              "ecc.mode.current": "ecc_mode", "mig.mode.current": "mig_mode"}
+
+
+def gpu_provenance(device: torch.device) -> dict[str, Any]:
+    """The GPU as a result must name it: model, compute capability, SMs, memory, CUDA and cuDNN
+    versions from torch; driver, current and max clocks, ECC and MIG state from nvidia-smi (else
+    pynvml). What cannot be read is left out, with the reason under `unavailable`: never an error."""
+    props = torch.cuda.get_device_properties(device)
+    info: dict[str, Any] = {"name": props.name, "compute_capability": f"{props.major}.{props.minor}",
+                            "sm_count": props.multi_processor_count, "total_memory_bytes": props.total_memory,
+                            "cuda_version": torch.version.cuda, "cudnn_version": torch.backends.cudnn.version()}
+    uuid = getattr(props, "uuid", None)
+    target = f"GPU-{uuid}" if uuid else str(device.index if device.index is not None else torch.cuda.current_device())
+    try:
+        return info | _nvidia_smi(target)
+    except Exception as err:  # noqa: BLE001  (no nvidia-smi, or it cannot answer: try NVML)
+        smi_error = f"nvidia-smi: {type(err).__name__}: {err}"
+    try:
+        return info | _nvml(str(uuid) if uuid else None, int(target) if target.isdigit() else 0)
+    except Exception as err:  # noqa: BLE001
+        return info | {"unavailable": f"{smi_error}; pynvml: {type(err).__name__}: {err}"}
+
+
+def _nvidia_smi(target: str) -> dict[str, Any]:
+    out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits",
+                          "-i", target], capture_output=True, text=True, timeout=10, check=True).stdout
+    values = [v.strip() for v in out.strip().splitlines()[0].split(",")]
+    if len(values) != len(SMI_FIELDS):
+        raise ValueError(f"expected {len(SMI_FIELDS)} fields, got {out.strip()!r}")
+    return {name: _number(v) for name, v in zip(SMI_FIELDS.values(), values)}
+
+
+def _number(value: str) -> Any:
+    """nvidia-smi's text: a number when it is one, None for [N/A] or [Not Supported]."""
+    if value.startswith("["):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return value
+
+
+def _nvml(uuid: str | None, index: int) -> dict[str, Any]:
+    import pynvml   # nvidia-ml-py
+
+    pynvml.nvmlInit()
+    try:
+        handle = (pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}") if uuid else pynvml.nvmlDeviceGetHandleByIndex(index))
+        sm, mem = pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_MEM
+        info = {"driver_version": pynvml.nvmlSystemGetDriverVersion(),
+                "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, sm),
+                "memory_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, mem),
+                "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, sm),
+                "max_memory_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, mem)}
+        for key, read in (("ecc_mode", pynvml.nvmlDeviceGetEccMode), ("mig_mode", pynvml.nvmlDeviceGetMigMode)):
+            try:
+                info[key] = "Enabled" if read(handle)[0] else "Disabled"    # (current, pending)
+            except pynvml.NVMLError:
+                info[key] = None                                            # not supported on this GPU
+        return info
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def _cpu_name() -> str:

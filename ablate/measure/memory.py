@@ -1,6 +1,10 @@
 """Peak memory of a piece of code: the CUDA allocator's figure on a GPU, tracked tensor bytes on the CPU.
 
-On a GPU, torch.cuda.max_memory_allocated is exact. The CPU allocator keeps no statistics, and the
+On a GPU, torch.cuda.max_memory_allocated is exact, but absolute: it counts every tensor of the
+process (other arms' models, what a probe left). One arm's own peak is therefore read as a
+difference: the peak statistic reset at the arm's start (it restarts at what is allocated then),
+peak - allocated at the start = what the arm added at its most, plus the weights the arm runs on
+that were already resident (start_cuda_peak, cuda_peak_since, resident_weight_bytes). The CPU allocator keeps no statistics, and the
 process RSS moves in pages, lags frees and includes everything else, so on the CPU we count tensor
 storages ourselves: a TorchDispatchMode sees every ATen op called inside the block. A storage that
 an op returns and that none of the op's inputs owned was allocated by that op: its bytes are added.
@@ -98,3 +102,24 @@ def peak_memory_of(fn: Callable[[], Any], device: torch.device) -> tuple[Any, Pe
     with TensorMemoryTracker() as tracker:
         result = fn()
     return result, PeakMemory(tracker.peak_bytes, "tensor-tracker")
+
+
+def start_cuda_peak(device: torch.device) -> int:
+    """An arm starts on a GPU: the peak statistic restarts at what is allocated now, returned."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def cuda_peak_since(device: torch.device, allocated_before: int) -> int:
+    """Most bytes allocated at once since start_cuda_peak, beyond what was allocated then."""
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - allocated_before
+
+
+def resident_weight_bytes(arm_model: torch.nn.Module, model: torch.nn.Module) -> int:
+    """Bytes of `arm_model`'s parameters stored in `model`'s tensors, i.e. allocated before the arm
+    started (all of them, unless the arm's variant made new weights: those the difference counts)."""
+    resident = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(p.numel() * p.element_size() for p in arm_model.parameters()
+               if p.untyped_storage().data_ptr() in resident)

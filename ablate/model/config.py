@@ -13,6 +13,15 @@ import torch
 from ablate.api.kv import kv_bytes_per_token
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+AUTO_DTYPE = "auto"    # bf16 on CUDA, fp32 on the CPU: resolved by ModelConfig.for_device once the device is known
+
+
+def resolve_dtype(dtype: str, device: torch.device | str) -> str:
+    """model.dtype on this device: auto -> bf16 on CUDA (tensor cores, half the bytes of fp32), fp32 on
+    the CPU (most CPUs have no fast bf16 matmul); any other value as given."""
+    if dtype != AUTO_DTYPE:
+        return dtype
+    return "bf16" if torch.device(device).type == "cuda" else "fp32"
 
 
 @dataclass
@@ -33,7 +42,7 @@ class ModelConfig:
     tied_embeddings: bool = True       # LM head shares the token embedding matrix
     qkv_bias: bool = False             # Qwen2 has biases on the Q, K, V projections
     max_seq_len: int = 2048            # longest sequence (prompt + output) the RoPE table covers
-    dtype: str = "fp32"                # fp32 | bf16 | fp16
+    dtype: str = "fp32"                # fp32 | bf16 | fp16 | auto (the root config's default: see for_device)
     # auto: pretrained when model.path or model.package is set, else random (a path given means load
     # it); random: seeded random weights (with model.package: the preset's shape, the package's
     # tokenizer); pretrained: load the checkpoint. init=random with a model.path is refused (the
@@ -66,8 +75,8 @@ class ModelConfig:
             raise ValueError(
                 f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
             )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES and self.dtype != AUTO_DTYPE:
+            raise ValueError(f"model.dtype must be one of {sorted([*DTYPES, AUTO_DTYPE])}, got {self.dtype!r}")
         for name in ("rope_base", "norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
@@ -106,8 +115,15 @@ class ModelConfig:
         if self.qkv_bias or self.architecture != "llama":
             raise ValueError("model.attention_kind=mla supports Llama-family models without Q/K/V biases")
 
+    def for_device(self, device: torch.device | str) -> ModelConfig:
+        """This config with model.dtype=auto resolved for the device (resolve_dtype); else itself."""
+        return self if self.dtype != AUTO_DTYPE else replace(self, dtype=resolve_dtype(self.dtype, device))
+
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == AUTO_DTYPE:
+            raise ValueError(f"model {self.name!r}: model.dtype=auto has no torch dtype until the device is known; "
+                             "resolve it with ModelConfig.for_device(device), or set model.dtype=fp32, bf16 or fp16")
         return DTYPES[self.dtype]
 
     @property

@@ -19,6 +19,8 @@ from ablate.model.mla import MultiHeadLatentAttention
 from ablate.model.rope import apply_rope, rotary_embedding
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from ablate.model.forward import Forward
 
 
@@ -46,13 +48,27 @@ class SelfAttention(nn.Module):
         self.wo = Linear(self.q_size, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.wqkv(x)                                                   # (T, (H + 2 H_kv) D)
-        qk = qkv[:, :self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(qk, *rope).split((self.n_heads, self.n_kv_heads), dim=1)   # (T, H, D), (T, H_kv, D)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.n_kv_heads, self.head_dim)   # (T, H_kv, D)
+        q, k, v = fwd.dense(_project_qkv, self, x, rope)                      # (T, H, D), (T, H_kv, D) x 2
         out = fwd.attend(self.layer, q, fwd.store(self.layer, k, v))          # (T, H, D)
-        return self.wo(out.reshape(t, self.q_size))
+        return fwd.dense(_project_out, self, out)                             # (T, d)
+
+
+def _project_qkv(attn: SelfAttention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    """x (T, d) -> q (T, H, D), k (T, H_kv, D) rotated, v (T, H_kv, D): one fused projection."""
+    t = x.shape[0]
+    qkv = attn.wqkv(x)                                                       # (T, (H + 2 H_kv) D)
+    qk = qkv[:, :attn.q_size + attn.kv_size].view(t, attn.n_heads + attn.n_kv_heads, attn.head_dim)
+    q, k = apply_rope(qk, *rope).split((attn.n_heads, attn.n_kv_heads), dim=1)
+    v = qkv[:, attn.q_size + attn.kv_size:].view(t, attn.n_kv_heads, attn.head_dim)
+    return q, k, v
+
+
+def _project_out(attn: SelfAttention, out: torch.Tensor) -> torch.Tensor:
+    return attn.wo(out.reshape(out.shape[0], attn.q_size))                    # (T, H, D) -> (T, d)
+
+
+def _mlp_residual(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+    return x + layer.mlp(layer.mlp_norm(x))
 
 
 class SwiGLU(nn.Module):
@@ -80,7 +96,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, fwd)
-        return x + self.mlp(self.mlp_norm(x))
+        return fwd.dense(_mlp_residual, self, x)
 
 
 class LlamaModel(nn.Module):
@@ -119,93 +135,106 @@ class LlamaModel(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     @classmethod
-    def empty(cls, cfg: ModelConfig) -> LlamaModel:
-        """Uninitialised storage on the CPU in fp32 (no time spent on an init that is overwritten)."""
+    def empty(cls, cfg: ModelConfig, device: torch.device | str = "cpu") -> LlamaModel:
+        """Uninitialised storage allocated directly on `device` in the model's dtype: no host copy of
+        the model, and no time spent on an init that is overwritten. RoPE tables: fp32, on the CPU
+        until finalize."""
         with torch.device("meta"):
             model = cls(cfg)
-        model = model.to_empty(device="cpu")
+        rope, model.rope = model.rope, None   # its tables are real (built on the CPU): kept out of the cast
+        # on the meta device the cast allocates nothing; to_empty then allocates each tensor once, on `device`
+        model = model.to(dtype=cfg.torch_dtype).to_empty(device=device)
         if cfg.tied_embeddings:               # to_empty gives each module its own copy: tie again
             model.lm_head.weight = model.embed.weight
-        model.rope = rotary_embedding(cfg)
+        model.rope = rope
         return model
 
     @classmethod
     def random(cls, cfg: ModelConfig, device: torch.device | str = "cpu") -> LlamaModel:
         """Seeded random weights: N(0, 1/fan_in) projections so that every layer moves the residual
         stream as much as the embedding does, and greedy continuations vary (a test that compares
-        tokens must not pass because every token repeats the last one)."""
+        tokens must not pass because every token repeats the last one).
+
+        Each parameter is drawn on the CPU in fp32 from one seeded generator, in a fixed order, then
+        copied (cast) into its place on the device: the same seed gives the same weights on every
+        device and dtype (up to the cast), and host memory holds one parameter, never the model."""
+        cfg = cfg.for_device(device)
         gen = torch.Generator().manual_seed(cfg.seed)
-        model = cls.empty(cfg)
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p.data)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p.data)
-            elif p.data.dim() == 2 and p is not model.embed.weight:
-                gain = 4.0 if name.endswith(("wo.weight", "w_down.weight")) else 1.0
-                p.data.normal_(0.0, gain * p.shape[1] ** -0.5, generator=gen)
-            else:
-                p.data.normal_(0.0, 1.0, generator=gen)
+        model = cls.empty(cfg, device)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    std = 1.0
+                    if p.dim() == 2 and p is not model.embed.weight:
+                        std = (4.0 if name.endswith(("wo.weight", "w_down.weight")) else 1.0) * p.shape[1] ** -0.5
+                    p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
         return model.finalize(device)
 
     @classmethod
-    def from_hf_state_dict(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+    def from_hf_state_dict(cls, cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
                            device: torch.device | str = "cpu", source: str = "checkpoint") -> LlamaModel:
         """Build from tensors named as in Hugging Face's Llama (`model.layers.0.self_attn.q_proj.weight`...).
 
-        Raises a ValueError naming `source` and the tensor when one is missing or mis-shaped.
+        The model is allocated on `device` in its dtype, and each tensor is looked up once and copied
+        (cast) into its rows there: with a lazy mapping (ablate.checkpoints.lazy) host memory holds
+        one tensor at a time. Raises a ValueError naming `source` and the tensor when one is missing
+        or mis-shaped.
         """
         if cfg.attention_kind != "mha":
             raise ValueError(f"{source}: loading MLA checkpoints is not supported; load a Llama-family "
                              "checkpoint and convert it with variant=mla")
-        model = cls.empty(cfg)
-        hf = {k.removeprefix("model."): v for k, v in weights.items()}
+        cfg = cfg.for_device(device)
+        model = cls.empty(cfg, device)
+        names = {k.removeprefix("model."): k for k in weights}      # names only: nothing is read yet
 
-        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            if name not in hf:
-                raise ValueError(f"{source}: missing tensor {name!r}")
-            t = hf[name]
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
-            return t.float()
+        def put(param: torch.Tensor, *parts: tuple[str, tuple[int, ...]]) -> None:
+            """The named tensors, checked against their shapes, into consecutive rows of `param`."""
+            row = 0
+            for name, shape in parts:
+                if name not in names:
+                    raise ValueError(f"{source}: missing tensor {name!r}")
+                t = weights[names[name]]
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+                param[row:row + shape[0]].copy_(t)
+                row += shape[0]
 
         d, hd = cfg.d_model, cfg.head_dim
         qs, kvs = cfg.n_heads * hd, cfg.n_kv_heads * hd
         with torch.no_grad():
-            model.embed.weight.copy_(take("embed_tokens.weight", (cfg.vocab_size, d)))
+            put(model.embed.weight, ("embed_tokens.weight", (cfg.vocab_size, d)))
             for i, layer in enumerate(model.layers):
                 pre = f"layers.{i}."
-                layer.attn.wqkv.weight.copy_(torch.cat([
-                    take(pre + "self_attn.q_proj.weight", (qs, d)),
-                    take(pre + "self_attn.k_proj.weight", (kvs, d)),
-                    take(pre + "self_attn.v_proj.weight", (kvs, d))]))
+                attn = pre + "self_attn."
+                put(layer.attn.wqkv.weight, (attn + "q_proj.weight", (qs, d)), (attn + "k_proj.weight", (kvs, d)),
+                    (attn + "v_proj.weight", (kvs, d)))
                 if cfg.qkv_bias:
-                    layer.attn.wqkv.bias.copy_(torch.cat([
-                        take(pre + "self_attn.q_proj.bias", (qs,)),
-                        take(pre + "self_attn.k_proj.bias", (kvs,)),
-                        take(pre + "self_attn.v_proj.bias", (kvs,))]))
-                layer.attn.wo.weight.copy_(take(pre + "self_attn.o_proj.weight", (d, qs)))
-                layer.mlp.w_gate_up.weight.copy_(torch.cat([
-                    take(pre + "mlp.gate_proj.weight", (cfg.d_ff, d)),
-                    take(pre + "mlp.up_proj.weight", (cfg.d_ff, d))]))
-                layer.mlp.w_down.weight.copy_(take(pre + "mlp.down_proj.weight", (d, cfg.d_ff)))
-                layer.attn_norm.weight.copy_(take(pre + "input_layernorm.weight", (d,)))
-                layer.mlp_norm.weight.copy_(take(pre + "post_attention_layernorm.weight", (d,)))
-            model.norm.weight.copy_(take("norm.weight", (d,)))
+                    put(layer.attn.wqkv.bias, (attn + "q_proj.bias", (qs,)), (attn + "k_proj.bias", (kvs,)),
+                        (attn + "v_proj.bias", (kvs,)))
+                put(layer.attn.wo.weight, (attn + "o_proj.weight", (d, qs)))
+                put(layer.mlp.w_gate_up.weight, (pre + "mlp.gate_proj.weight", (cfg.d_ff, d)),
+                    (pre + "mlp.up_proj.weight", (cfg.d_ff, d)))
+                put(layer.mlp.w_down.weight, (pre + "mlp.down_proj.weight", (d, cfg.d_ff)))
+                put(layer.attn_norm.weight, (pre + "input_layernorm.weight", (d,)))
+                put(layer.mlp_norm.weight, (pre + "post_attention_layernorm.weight", (d,)))
+            put(model.norm.weight, ("norm.weight", (d,)))
             if not cfg.tied_embeddings:
-                head = weights.get("lm_head.weight", hf.get("lm_head.weight"))
-                if head is None:
+                if "lm_head.weight" not in names:
                     raise ValueError(f"{source}: missing tensor 'lm_head.weight' (the embeddings are not tied)")
-                if tuple(head.shape) != (cfg.vocab_size, d):
-                    raise ValueError(f"{source}: tensor 'lm_head.weight' has shape {tuple(head.shape)}, "
-                                     f"expected {(cfg.vocab_size, d)}")
-                model.lm_head.weight.copy_(head.float())
+                put(model.lm_head.weight, ("lm_head.weight", (cfg.vocab_size, d)))
         return model.finalize(device)
 
     def finalize(self, device: torch.device | str) -> LlamaModel:
-        """Move to the device in the configured dtype; the RoPE tables stay fp32 for accuracy."""
-        self.to(device=device, dtype=self.config.torch_dtype)
-        self.rope.to(dtype=torch.float32)
+        """On the device in the configured dtype (nothing moves for a model empty() already put there);
+        the RoPE tables stay fp32: the angles of late positions need its precision (tables() casts per step)."""
+        for child in self.children():
+            if child is not self.rope:
+                child.to(device=device, dtype=self.config.torch_dtype)
+        self.rope.to(device=device)
         # W^T contiguous: MKL's fast fp32 matrix-vector layout (bf16/fp16 products are not MKL's, and
         # PyTorch's own kernels for them are far slower on a transposed weight: keep those as they are)
         if torch.device(device).type == "cpu" and self.config.torch_dtype == torch.float32:

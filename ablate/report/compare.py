@@ -26,7 +26,8 @@ from ablate.results import TABLES, Results, load
 METRICS = ("speedup", "duration_s", "output_throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
            "tpot_p99_ms", "peak_memory_bytes", "kv_reserved_peak_bytes")
 NOT_COMPARED = ("results_dir", "wandb", "redo")      # config keys that say where, not what, was measured
-ENVIRONMENT = ("device", "device_name", "git_commit", "python", "platform", "versions")
+# environment.json keys whose difference is shown (tf32: whether fp32 matmuls ran in TF32)
+ENVIRONMENT = ("device", "device_name", "tf32", "git_commit", "python", "platform", "versions")
 
 
 class RunUnreadable(ValueError):

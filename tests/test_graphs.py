@@ -8,6 +8,7 @@ caught by the first replay's check and the arm falls back to eager, saying so.""
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import torch
@@ -123,3 +124,18 @@ def test_graphs_is_a_technique_of_the_ablation(registry):
     spec = arm_spec(cfg, frozenset({"kv_cache", "graphs"}))
     assert spec == {"kv_cache": "contiguous", "engine": {"graphs": True}}
     assert ArmSpec.parse("arm '+graphs'", spec).engine == {"graphs": True}
+
+
+def test_kernel_compiles_during_a_run_are_recorded(monkeypatch, build, make_requests, registry, tiny_model):
+    """A run that compiles Triton kernels has compilation in its time: run_once records how many."""
+    import types
+
+    from ablate.api.context import EngineConfig
+    from ablate.engine.arm import baseline_configs, resolve_arm
+    from ablate.experiment.arm_run import kernel_compiles, run_once
+    counter = iter(range(100))
+    monkeypatch.setitem(sys.modules, "ablate_kernels", types.SimpleNamespace(compiled_variants=lambda: next(counter)))
+    assert kernel_compiles() == 0 and kernel_compiles() == 1
+    arm = resolve_arm("a", {"kv_cache": "contiguous"}, baseline_configs(registry), registry)
+    run = run_once(arm, tiny_model, make_requests([4], [3]), EngineConfig(), registry, None, record=False)
+    assert run.row["kernel_compiles"] == 1        # read once before the run and once after

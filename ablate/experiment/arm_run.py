@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -57,6 +58,13 @@ def with_fixed_kv_budget(arm: Arm, free_bytes: int | None, model_for: Callable[[
     return replace(arm, plugins={**arm.plugins, Slot.KV_CACHE: fixed})
 
 
+def kernel_compiles() -> int:
+    """Triton kernels of ablate_kernels compiled so far in this process: a run that compiles has
+    compilation in its time. 0 when the kernels were never imported (nothing of theirs compiled)."""
+    kernels = sys.modules.get("ablate_kernels")
+    return kernels.compiled_variants() if kernels is not None else 0
+
+
 def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: EngineConfig,
              registry: Registry, peaks: Peaks | None, record: bool, track_memory: bool = False) -> ArmRun:
     """Build the arm's engine afresh and serve the requests once. A plugin that breaks the contract
@@ -90,11 +98,12 @@ def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: E
         tracker = TensorMemoryTracker() if track_memory and device.type != "cuda" else contextlib.nullcontext()
         kv_reserved_before = built.kv_cache.bytes_reserved()
         gc.collect()
+        compiled_before = kernel_compiles()
         start = dev.now(device)
         with tracker:
             seqs = built.engine.run(requests)
         wall = dev.now(device) - start
-        row: dict[str, Any] = {"wall_s": wall}
+        row: dict[str, Any] = {"wall_s": wall, "kernel_compiles": kernel_compiles() - compiled_before}
         if record:
             rec = recorders[0]
             row |= summarise(rec)

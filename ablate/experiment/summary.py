@@ -66,6 +66,8 @@ def summarise_arms(runs: pd.DataFrame, point_keys: list[str], baseline: str,
             for col in MEDIAN_COLUMNS:
                 if col in measured and pd.api.types.is_numeric_dtype(measured[col]):
                     row[col] = float(measured[col].median())
+            if "kernel_compiles" in measured:                            # in the timed rounds
+                row["kernel_compiles"] = int(measured["kernel_compiles"].fillna(0).sum())
             if "dtype" in measured:
                 row["dtype"] = measured["dtype"].iloc[0]                 # the arm's resolved model.dtype
             if "finish_order" in measured:
@@ -81,6 +83,9 @@ def summarise_arms(runs: pd.DataFrame, point_keys: list[str], baseline: str,
     for _, r in summary[summary["noisy"]].iterrows():
         warnings.warn(f"arm {r['arm']}: run-time coefficient of variation {r['duration_cv']:.0%} is above "
                       f"{NOISY_CV:.0%}: the machine was noisy, treat its figures with care", stacklevel=2)
+    for _, r in summary[summary.get("kernel_compiles", pd.Series(0, index=summary.index)) > 0].iterrows():
+        warnings.warn(f"arm {r['arm']}: {r['kernel_compiles']} Triton kernel variants compiled during its timed "
+                      "rounds: their time includes compilation (raise experiment.warmup)", stacklevel=2)
     for _, r in summary[summary["status"] != "ok"].iterrows():
         warnings.warn(f"arm {r['arm']} {r['status']}: {r['status_detail']}", stacklevel=2)
     return summary

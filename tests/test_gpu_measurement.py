@@ -55,8 +55,28 @@ def test_the_root_config_defaults_to_auto_and_records_the_resolved_dtype(compose
     assert raw["model"]["dtype"] == "auto" and to_run_config(raw, registry).model.dtype == "auto"
     assert resolved_config(raw, CPU)["model"]["dtype"] == "fp32"
     assert resolved_config(raw, CUDA)["model"]["dtype"] == "bf16"
-    pinned = compose_config(tmp_path, "+experiment=ch09_paged")      # a budget in bytes: fp32 on every device
-    assert resolved_config(pinned, CUDA)["model"]["dtype"] == "fp32"
+    chapter = compose_config(tmp_path, "+experiment=ch09_paged")     # its budget is in tokens: any dtype
+    assert resolved_config(chapter, CUDA)["model"]["dtype"] == "bf16"
+
+
+def test_a_budget_in_tokens_is_the_same_bytes_for_every_variant_in_any_dtype(registry):
+    from ablate.api.kv import KVBudgetConfig, budget_bytes
+    from ablate.engine.arm import baseline_configs, resolve_arm
+    from ablate.experiment.arm_run import with_fixed_kv_budget
+    for dtype, bytes_per_token in (("fp32", 46080), ("bf16", 23040)):      # smollm2-135m's K/V per token
+        model = LlamaModel.empty(preset("smollm2-135m", dtype=dtype), "meta")
+        for variant in ({"name": "gqa", "kv_heads": 1}, "none"):
+            arm = resolve_arm("a", {"kv_cache": {"name": "contiguous", "budget_tokens": 4096}, "variant": variant},
+                              baseline_configs(registry), registry)
+            fixed = with_fixed_kv_budget(arm, None, lambda arm: model).plugins[Slot.KV_CACHE]
+            assert (fixed.budget_bytes, fixed.budget_tokens) == (4096 * bytes_per_token, 0)
+    with pytest.raises(ValueError, match="budget_bytes and kv_cache.budget_tokens are both set: give one"):
+        KVBudgetConfig(budget_bytes=1, budget_tokens=1)
+    with pytest.raises(ValueError, match="budget_tokens must be >= 0"):
+        KVBudgetConfig(budget_tokens=-1)
+    assert budget_bytes(KVBudgetConfig(budget_tokens=10), CPU, 100) == 1000   # unconverted: the cache's own
+    with pytest.raises(ValueError, match="needs the K/V bytes per token"):
+        budget_bytes(KVBudgetConfig(budget_tokens=10), CPU)
 
 
 def test_tf32_settings_are_recorded():

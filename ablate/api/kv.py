@@ -146,8 +146,10 @@ def view_problem(view: KVView, step: StepInputs, spec: KVSpec) -> str | None:
 
 @dataclass
 class KVBudgetConfig(PluginConfig):
-    """Base of a cache config that takes a memory budget: a number of bytes, or a fraction of the
-    memory free when the cache is built (device memory on a GPU, available RAM on the CPU).
+    """Base of a cache config that takes a memory budget: a number of bytes, a number of tokens (of
+    the model's K/V before any variant, so that one budget holds in any dtype and is the same bytes
+    for every variant of a model: an experiment converts it with the arm's model), or a fraction of
+    the memory free when the cache is built (device memory on a GPU, available RAM on the CPU).
 
     A cache honours it by never holding more than `budget_bytes(config, device)` bytes of K/V
     (`bytes_reserved()` stays within it; the kit checks), refusing sequences (`reserve` -> False)
@@ -157,14 +159,19 @@ class KVBudgetConfig(PluginConfig):
 
     budget_bytes: int = 0          # most bytes of K/V the cache may hold; 0: see budget_fraction
     budget_fraction: float = 0.0   # or this fraction of free device memory (RAM on the CPU); 0: no limit
+    budget_tokens: int = 0         # or the bytes of this many tokens of the model's K/V (before a variant)
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:
             raise ValueError(f"kv_cache.budget_bytes must be >= 0, got {self.budget_bytes}")
+        if self.budget_tokens < 0:
+            raise ValueError(f"kv_cache.budget_tokens must be >= 0, got {self.budget_tokens}")
         if not 0 <= self.budget_fraction <= 1:
             raise ValueError(f"kv_cache.budget_fraction must be in [0, 1], got {self.budget_fraction}")
-        if self.budget_bytes and self.budget_fraction:
-            raise ValueError("kv_cache.budget_bytes and kv_cache.budget_fraction are both set: give one")
+        given = [n for n in ("budget_bytes", "budget_tokens", "budget_fraction") if getattr(self, n)]
+        if len(given) > 1:
+            raise ValueError(f"kv_cache.{' and kv_cache.'.join(given)} are {'both' if len(given) == 2 else 'all'} "
+                             "set: give one")
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -174,8 +181,14 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def budget_bytes(config: KVBudgetConfig, device: torch.device) -> int:
-    """The budget in bytes; 0: no limit."""
+def budget_bytes(config: KVBudgetConfig, device: torch.device, bytes_per_token: int = 0) -> int:
+    """The budget in bytes; 0: no limit. A budget in tokens not already converted by the experiment
+    (which uses the model before its variant) counts `bytes_per_token`, the cache's own."""
     if config.budget_fraction:
         return int(config.budget_fraction * free_memory_bytes(device))
+    if config.budget_tokens:
+        if bytes_per_token <= 0:
+            raise ValueError("kv_cache.budget_tokens needs the K/V bytes per token to become bytes: call "
+                             "budget_bytes(config, device, spec.bytes_per_token)")
+        return config.budget_tokens * bytes_per_token
     return config.budget_bytes

@@ -46,12 +46,21 @@ def expects_baseline_tokens(arm: Arm, baseline: Arm, registry: Registry) -> bool
 
 
 def with_fixed_kv_budget(arm: Arm, free_bytes: int | None, model_for: Callable[[Arm], LlamaModel]) -> Arm:
-    """The arm with kv_cache.budget_fraction turned into budget_bytes of one reading of free memory,
-    taken at the job's start (before any arm: what earlier arms leave in the allocator's cache must
-    not shrink later arms' budgets), less the arm's model, as if the arm ran alone:
-    budget_bytes = budget_fraction x (free at the start - the arm's model's weight bytes)."""
+    """The arm with its KV budget in bytes, the same for every arm of the job:
+    - kv_cache.budget_tokens: that many tokens of the arm's model before its variant (so a GQA, MQA
+      or MLA arm gets the bytes the model it converts would hold, in whatever dtype it runs);
+    - kv_cache.budget_fraction: of one reading of free memory taken at the job's start (before any
+      arm: what earlier arms leave in the allocator's cache must not shrink later arms' budgets),
+      less the arm's model, as if the arm ran alone:
+      budget_bytes = budget_fraction x (free at the start - the arm's model's weight bytes)."""
     config = arm.plugins.get(Slot.KV_CACHE)
-    if free_bytes is None or not isinstance(config, KVBudgetConfig) or not config.budget_fraction:
+    if not isinstance(config, KVBudgetConfig):
+        return arm
+    if config.budget_tokens:
+        budget = config.budget_tokens * model_for(arm).config.kv_bytes_per_token()
+        fixed = replace(config, budget_bytes=budget, budget_tokens=0)
+        return replace(arm, plugins={**arm.plugins, Slot.KV_CACHE: fixed})
+    if free_bytes is None or not config.budget_fraction:
         return arm
     budget = int(config.budget_fraction * max(free_bytes - model_for(arm).weight_bytes(), 0))
     fixed = replace(config, budget_bytes=max(budget, 1), budget_fraction=0.0)   # 0 bytes would mean "no limit"

@@ -64,7 +64,7 @@ class PagedKVCache(KVCache):
         # More blocks than max_num_seqs sequences of the longest length can hold would never be
         # claimed (with prefix caching they would only keep more freed prefixes findable).
         num_blocks = s.max_num_seqs * blocks_per_seq
-        budget = budget_bytes(config, s.device)
+        budget = budget_bytes(config, s.device, s.bytes_per_token)
         if budget:
             num_blocks = min(num_blocks, budget // self.block_bytes)
             if num_blocks < blocks_per_seq:

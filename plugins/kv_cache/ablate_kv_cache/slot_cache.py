@@ -69,7 +69,7 @@ class SlotKVCache(RowBuffers, KVCache):
 
     def __init__(self, config: SlotCacheConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
-        self.budget_bytes = budget_bytes(config, self.spec.device)   # 0: no limit beyond the slots
+        self.budget_bytes = budget_bytes(config, self.spec.device, self.spec.bytes_per_token)   # 0: no limit beyond the slots
         self.max_seqs_admitted = 0               # most sequences holding a slot at once
         self.lengths_admitted: dict[int, tuple[int, int]] = {}   # seq_id -> (prompt, max output), for predictions
         self._frag_slots_per_seq: list[float] = []   # per step: row capacity not holding a token, per sequence

@@ -92,7 +92,7 @@ class StreamingKVCache(RowBuffers, KVCache):
     def __init__(self, config: StreamingConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
         self.num_sinks, self.window = config.num_sinks, config.window
-        self.budget_bytes = budget_bytes(config, self.spec.device)    # 0: no limit beyond the slots
+        self.budget_bytes = budget_bytes(config, self.spec.device, self.spec.bytes_per_token)    # 0: no limit beyond the slots
         # a row long enough for one decode step once full (or for the longest sequence, if shorter)
         capacity = min(self.num_sinks + self.window + 1, max(self.spec.max_seq_len, 1))
         self.num_slots = self.spec.max_num_seqs

@@ -139,3 +139,13 @@ def test_kernel_compiles_during_a_run_are_recorded(monkeypatch, build, make_requ
     arm = resolve_arm("a", {"kv_cache": "contiguous"}, baseline_configs(registry), registry)
     run = run_once(arm, tiny_model, make_requests([4], [3]), EngineConfig(), registry, None, record=False)
     assert run.row["kernel_compiles"] == 1        # read once before the run and once after
+
+
+def test_importing_the_engine_imports_neither_triton_nor_dynamo():
+    """Both take seconds to import, and triton read too early would keep the kernel tests from its
+    interpreter: torch.compile is imported when engine.graphs first compiles, not before."""
+    import subprocess
+    code = ("import sys, ablate.engine.arm, ablate.engine.graphs, ablate.model.llama; "
+            "print(sorted({'triton', 'torch._dynamo'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -57,7 +57,7 @@ class Linear(nn.Linear):
                 self.weight.data = self.weight.data.t().contiguous().t()    # (d_out, d_in), strides (1, d_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        if _eager_forward is not None and torch.compiler.is_compiling():
             # engine.graphs on a CPU compiles the arithmetic around the products; the products keep
             # the layouts above (Inductor's own CPU products ran this engine's batch-8 decode at half speed)
             return _eager_forward(self, x)
@@ -75,4 +75,13 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
-_eager_forward = torch.compiler.disable(Linear._forward)
+# Linear._forward kept out of torch.compile; made on first use (products_stay_eager): importing
+# torch._dynamo costs seconds, and imports triton before a test can ask for its interpreter
+_eager_forward = None
+
+
+def products_stay_eager() -> None:
+    """Before torch.compile traces a model: its Linear products run eagerly, on the layouts above."""
+    global _eager_forward
+    if _eager_forward is None:
+        _eager_forward = torch.compiler.disable(Linear._forward)

@@ -48,6 +48,7 @@ UNITS = {
     "predicted_step_time_s_total": "predicted_step_time_total_s",
     "measured_step_time_s_total": "measured_step_time_total_s",
     "perplexity": "perplexity_ppl",     # exp(mean nats per token): its own unit
+    "kernel_compiles": "kernel_compiles_count",
 }
 # a table's own columns that would clash with the job's
 CLASHES = {"status": "arm_status", "status_detail": "arm_status_detail"}

@@ -65,7 +65,7 @@ def attention_plugins(names: list[str], device: torch.device, dtype: torch.dtype
 def predicted_bytes(impl: str, plugin, shape: AttentionShape, sdpa_choice: str, device_type: str) -> int:
     if impl == "naive":
         return materialised_bytes(shape)
-    ran_triton = impl == "flash" and "flash-triton" in set().union(*plugin.ran.values())
+    ran_triton = impl == "flash" and plugin.kernel in set().union(*plugin.ran.values())
     if ran_triton:
         return tiled_bytes(shape, triton_flash_block_m(shape.head_dim, shape.element_bytes))
     return sdpa_bytes(sdpa_choice, shape, device_type)

@@ -46,4 +46,4 @@ def test_an_unknown_plugin_option_lists_the_plugins_options(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: kv_cache=paged has no option blok_size; its options are: block_size, budget_bytes, "
-        "budget_fraction, prefix_caching"]
+        "budget_fraction, budget_tokens, prefix_caching"]

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from ablate.model.config import preset
-from ablate.model.linear import Linear
+import ablate.model.linear as linear
+from ablate.model.linear import PACKABLE, Linear
 from ablate.model.llama import LlamaModel
 
 
@@ -45,3 +46,28 @@ def test_loaded_model_is_input_major_and_still_tied():
 def test_bf16_model_keeps_row_major_weights():
     model = LlamaModel.random(preset("tiny", dtype="bf16"))
     assert model.layers[0].attn.wqkv.weight.is_contiguous()
+
+
+@pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
+@pytest.mark.parametrize("faster", [linear.MKL, linear.ONEDNN])
+def test_the_faster_path_is_chosen_by_timing_once_and_recorded(faster, monkeypatch):
+    """Whichever path the clock says is faster runs (the same product either way), chosen once per
+    kind of product and listed by linear_paths()."""
+    monkeypatch.setattr(linear, "_paths", {})
+    timed = []
+
+    def fake_median(fn, repeats=7):
+        timed.append(fn)
+        fn()
+        return 1.0 if (len(timed) % 2 == 1) == (faster == linear.ONEDNN) else 0.5   # MKL is timed first
+
+    monkeypatch.setattr(linear, "_median_seconds", fake_median)
+    layer = Linear(48, 80, bias=True)
+    x = torch.randn(5, 48)
+    with torch.inference_mode():
+        for _ in range(3):
+            got = layer(x)
+    torch.testing.assert_close(got, F.linear(x, layer.weight.detach(), layer.bias), atol=1e-5, rtol=1e-5)
+    assert len(timed) == 2                                   # timed once, then remembered
+    [(kind, path)] = linear.linear_paths().items()
+    assert path == faster and kind == f"80x48 float32 rows {torch.get_num_threads()} threads"

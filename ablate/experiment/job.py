@@ -12,6 +12,8 @@ No Hydra here: the CLI hands over the resolved config as a plain dict.
 """
 from __future__ import annotations
 
+import json
+
 import os
 import traceback
 from dataclasses import replace
@@ -30,6 +32,7 @@ from ablate.experiment.run import ExperimentResult, run_experiment
 from ablate.measure import device as dev
 from ablate.measure import hardware
 from ablate.model.config import resolve_dtype
+from ablate.model.linear import linear_paths
 from ablate.model.llama import LlamaModel
 from ablate.report.ablation import decode_modes, wandb_extras
 from ablate.report.console import job_prefix
@@ -138,6 +141,8 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
             result = run_experiment(cfg.experiment, plan.arms, loader, cfg.workload, cfg.engine, registry, peaks,
                                     progress=say, done=done, on_round=keep, kv_free_bytes=free_bytes)
         keep(result.runs, result.requests)
+        env["linear_paths"] = linear_paths()      # the CPU product paths timed during the run, recorded
+        folder.write_text("environment.json", json.dumps(env, indent=2, default=str))
         folder.write_table("summary", result.summary)
         folder.write_text(DECLARATIONS_FILE, result.declared.to_json())
     except (Exception, SystemExit) as err:       # SystemExit: a sys.exit outside the plugins' calls (theirs fail their arm)

@@ -1,27 +1,31 @@
-"""nn.Linear whose weight is pre-packed for oneDNN when it runs on the CPU.
+"""nn.Linear that runs each CPU product on whichever of two paths is faster on this machine.
 
-PyTorch's CPU `F.linear` hands a (T, d_in) x (d_out, d_in)^T product to MKL, whose small-M path is
-slow on AVX2 machines: for the 2-128 tokens of a decode or verify step it runs at about half the
-speed of oneDNN on weights reordered once into its blocked layout (measured on SmolLM2's shapes,
-2 cores: 4 tokens 127 -> 51 ms, 32 tokens 149 -> 99 ms for the 121 matmuls of one forward; 1 token
-55 -> 51 ms, near the memory-bandwidth bound). This is what Inductor's CPU "freezing" does; here it is
-done eagerly, without compiling anything.
+A CPU product can go to MKL through `F.linear`, or to oneDNN on the weight reordered once into its
+blocked layout (what Inductor's CPU "freezing" does; here done eagerly, without compiling anything).
+Which is faster depends on the machine and the shape, so neither is fixed in the code: the first
+product of each (weight shape, dtype, one row or several, thread count) times both (median of 7
+after warm-up) and keeps the faster for the process; `linear_paths()` lists the choices and every
+run records them (environment.json). Measured on SmolLM2's shapes, 2 cores: on an AVX2 EPYC oneDNN
+ran 2-128-token products about twice as fast as MKL (4 tokens 127 -> 51 ms for the 121 products of
+one forward) while MKL's matrix-vector path won at one token; on a Zen 5 EPYC oneDNN won at one
+token too (a decode step 30 -> 16.5 ms); on another AVX-512 EPYC MKL won at one token again.
 
-The packed copy is made on the first CPU forward and remade whenever the weight changes (a new
-tensor, or an in-place edit that bumps its version), so model variants that rewrite weights stay
-correct. It costs a second copy of each weight in memory; GPU tensors, dtypes oneDNN cannot pack on
-this CPU (bf16 without AVX-512 or AVX-NE-CONVERT) and `ABLATE_PACKED_LINEAR=0` use plain F.linear.
+One token (a decode step at batch 1) is a matrix-vector product, bound by reading W once. MKL's gemv
+streams W fastest when each input's row of W^T is contiguous: `input_major()` stores W as the
+transpose of a contiguous (d_in, d_out) tensor (the same values, the strides swapped), so F.linear
+becomes y = x @ W^T over contiguous memory (55 -> 40 ms for SmolLM2's 121 products on 2 cores). fp32
+only: PyTorch's bf16 products on a CPU without native bf16 are ~10x slower on the transposed layout.
 
-One token (a decode step at batch 1) is a matrix-vector product, bound by reading W once. There
-oneDNN's blocked layout is no help (and slower with one thread), and MKL's gemv streams W fastest
-when each input's row of W^T is contiguous: `input_major()` stores W as the transpose of a
-contiguous (d_in, d_out) tensor (the same values, the strides swapped), so F.linear becomes
-y = x @ W^T over contiguous memory (55 -> 40 ms for SmolLM2's 121 matmuls on 2 cores). fp32 only:
-PyTorch's bf16 products on a CPU without native bf16 are ~10x slower on the transposed layout.
+The packed copy is made on first use and remade whenever the weight changes (a new tensor, or an
+in-place edit that bumps its version), so model variants that rewrite weights stay correct. It
+costs a second copy of each weight in memory; GPU tensors, dtypes oneDNN cannot pack on this CPU
+(bf16 without AVX-512 or AVX-NE-CONVERT) and `ABLATE_PACKED_LINEAR=0` use plain F.linear.
 """
 from __future__ import annotations
 
 import os
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +41,25 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
 
 
 PACKABLE = _packable_dtypes()
+MKL, ONEDNN = "mkl", "onednn"
+_paths: dict[tuple, str] = {}    # (d_out, d_in, dtype, one row, threads) -> the faster path, timed once
+
+
+def linear_paths() -> dict[str, str]:
+    """The paths chosen in this process, for the results: "d_out x d_in dtype rows threads" -> path."""
+    return {f"{o}x{i} {str(dtype).removeprefix('torch.')} {'1 row' if one_row else 'rows'} {threads} threads": path
+            for (o, i, dtype, one_row, threads), path in sorted(_paths.items(), key=str)}
+
+
+def _median_seconds(fn, repeats: int = 7) -> float:
+    fn()
+    fn()                       # warm-up: the packed copy, the caches
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
@@ -45,7 +68,8 @@ def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
 
 
 class Linear(nn.Linear):
-    """y = x W^T + b, through a oneDNN-packed W on the CPU (see the module docstring)."""
+    """y = x W^T + b; on the CPU through MKL or a oneDNN-packed W, whichever is faster here (see the
+    module docstring)."""
 
     _packed: torch.Tensor | None = None
     _packed_key: tuple[int, int] | None = None
@@ -65,9 +89,18 @@ class Linear(nn.Linear):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        one_row = x.numel() == x.shape[-1]                                # a matrix-vector product
-        if one_row or w.device.type != "cpu" or w.dtype not in PACKABLE or x.dtype != w.dtype:
+        if w.device.type != "cpu" or w.dtype not in PACKABLE or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
+        key = (*w.shape, w.dtype, x.numel() == x.shape[-1], torch.get_num_threads())
+        path = _paths.get(key)
+        if path is None:       # the first product of its kind: time both paths here, keep the faster
+            mkl = _median_seconds(lambda: F.linear(x, w, self.bias))
+            onednn = _median_seconds(lambda: self._onednn(x))
+            path = _paths[key] = MKL if mkl <= onednn else ONEDNN
+        return F.linear(x, w, self.bias) if path == MKL else self._onednn(x)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
         key = _weight_key(w)
         if key != self._packed_key:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)   # blocked

@@ -14,7 +14,8 @@ occurs in the process, and `backend` says so (it is recorded with every result r
 - no Triton on this device: a CPU without TRITON_INTERPRET=1 (the interpreter, for tests only);
 - shapes the kernels do not take: head dims that are not a power of two in 16..256 (MLA's latent
   width 512 + 64, for one), or K and V of different widths.
-`backend` is "flash-triton" when every call ran the kernels, "sdpa-fallback(<reason>: <sdpa's
+`backend` is "flash-triton" when every call ran the kernels ("flash-triton-interpreted" under
+TRITON_INTERPRET on a CPU: never a timing), "sdpa-fallback(<reason>: <sdpa's
 backend>)" when none did, and lists both, per kind of step, when some calls fell back.
 """
 from __future__ import annotations
@@ -86,18 +87,19 @@ class FlashAttention(Attention):
         self.no_triton_reason = None if self.kernels.triton_available(ctx.device) else f"no Triton on {ctx.device.type}"
         self.no_triton_hint = (" (on a CPU the kernels run in Triton's interpreter when TRITON_INTERPRET=1 is set "
                                "before triton is imported: tests only, it is slow)") if ctx.device.type == "cpu" else ""
-        self.ran: dict[str, set[str]] = {}     # kind of step -> "flash-triton" and/or fallback reasons
+        self.ran: dict[str, set[str]] = {}     # kind of step -> self.kernel (ran) and/or fallback reasons
+        self.kernel = "flash-" + self.kernels.backend_label(ctx.device)   # flash-triton(-interpreted)
 
     @property
     def backend(self) -> str:
         if not self.ran:
-            return "flash-triton" if self.no_triton_reason is None else f"sdpa-fallback({self.no_triton_reason})"
+            return self.kernel if self.no_triton_reason is None else f"sdpa-fallback({self.no_triton_reason})"
         outcomes = set().union(*self.ran.values())
-        if outcomes == {"flash-triton"}:
-            return "flash-triton"
+        if outcomes == {self.kernel}:
+            return self.kernel
         if len(outcomes) == 1:
             return f"sdpa-fallback({outcomes.pop()}: {self.sdpa.backend})"
-        parts = [f"{kind}=" + "+".join(o if o == "flash-triton" else f"sdpa-fallback({o})" for o in sorted(found))
+        parts = [f"{kind}=" + "+".join(o if o == self.kernel else f"sdpa-fallback({o})" for o in sorted(found))
                  for kind, found in sorted(self.ran.items())]
         return f"{', '.join(parts)}; {self.sdpa.backend}"
 
@@ -107,7 +109,7 @@ class FlashAttention(Attention):
         if why is not None:
             self._fell_back(kind, why)
             return self.sdpa(q, view, step)
-        self.ran.setdefault(kind, set()).add("flash-triton")
+        self.ran.setdefault(kind, set()).add(self.kernel)
         if isinstance(view, PackedKV):
             return self.kernels.flash_attention_varlen(
                 q, view.k, view.v, step.query_starts_t, step.query_starts_t,

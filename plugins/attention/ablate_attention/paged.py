@@ -107,6 +107,7 @@ class PagedAttention(Attention):
         self.use_triton = runnable and config.backend != "torch"
         self.graph_safe = self.use_triton     # the PyTorch gather sizes its tensors from the lists
         self.forced = config.backend == "triton"
+        self.kernel = ablate_kernels.backend_label(device)     # triton, or triton-interpreted: never a timing
         if config.backend == "auto" and not runnable:
             _warn_once(f"device {device.type}",
                        f"attention=paged: the Triton paged-decode kernel cannot run on {device} (it needs a CUDA "
@@ -135,7 +136,7 @@ class PagedAttention(Attention):
             _warn_once(why, f"attention=paged: {why}, which the Triton paged-decode kernel does not take; decode "
                             "steps use the PyTorch block-table gather instead, recorded as backend 'torch(<why>)'")
             return gathered_attention(q, view, step)
-        self.backends[kind] = "triton"
+        self.backends[kind] = self.kernel
         # q (B, H, D): one query per sequence; keys of sequence b at block_tables[b, p // bs], p % bs
         return self._kernel(q, view.k_cache, view.v_cache, view.block_tables, step.kv_lens_t)
 

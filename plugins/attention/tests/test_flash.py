@@ -38,7 +38,7 @@ def test_flash_kernels_in_the_interpreter_give_the_naive_greedy_tokens():
     assert result["triton_available"]
     for name, arm in result["arms"].items():
         assert arm["same_tokens"], name
-        assert arm["backend"] == "flash-triton", (name, arm["backend"])
+        assert arm["backend"] == "flash-triton-interpreted", (name, arm["backend"])   # labelled: never a timing
     assert result["arms"]["contiguous-chunked"]["kinds"] == ["decode", "prefill"]
     assert result["arms"]["mla-contiguous"]["kinds"] == ["decode", "prefill"]
     assert result["warnings"] == []
@@ -89,5 +89,6 @@ def test_flash_plugin_conforms(ablate_check_plugin, monkeypatch):
     import types
 
     import ablate_attention.flash as flash
-    monkeypatch.setattr(flash, "kernels_module", lambda: types.SimpleNamespace(triton_available=lambda device: False))
+    monkeypatch.setattr(flash, "kernels_module", lambda: types.SimpleNamespace(triton_available=lambda device: False,
+                                                                                backend_label=lambda device: "unavailable"))
     ablate_check_plugin("attention", "flash")

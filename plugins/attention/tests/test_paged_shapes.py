@@ -120,7 +120,7 @@ def test_mla_prefill_and_decode_through_paged_attention_and_a_paged_cache(backen
         warnings.simplefilter("ignore")                            # no Triton here is warned about elsewhere
         tokens, attention = run(ablate_registry, model, paged(backend, **extra))
     assert tokens == baseline
-    kernel = "triton" if backend != "torch" and ablate_kernels.triton_available("cpu") else "torch"
+    kernel = ablate_kernels.backend_label("cpu") if backend != "torch" and ablate_kernels.triton_available("cpu") else "torch"
     assert attention.backend == f"paged(decode={kernel},prefill=torch)"
 
 

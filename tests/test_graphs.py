@@ -149,3 +149,9 @@ def test_importing_the_engine_imports_neither_triton_nor_dynamo():
             "print(sorted({'triton', 'torch._dynamo'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_engine_graphs_is_an_option_of_the_root_config(compose_config, registry, tmp_path):
+    from ablate.experiment.config import to_run_config
+    assert to_run_config(compose_config(tmp_path), registry).engine.graphs is False
+    assert to_run_config(compose_config(tmp_path, "engine.graphs=true"), registry).engine.graphs is True

@@ -33,6 +33,7 @@ class ModelRunner:
         self.graph_mode = graph_mode(self.device, graphs)
         self.graphs = (DecodeGraphs(self.device, why_not_capturable(kv_cache, attention))
                        if self.graph_mode == "cuda-graphs" else None)
+        self.step_counts = {True: 0, False: 0}      # compile mode: steps run compiled, and not
         self.decoding_name = decoding_name          # who passes draft tokens, for error messages
         self.fed_drafts: dict[int, list[int]] = {}  # seq_id -> draft tokens fed by the last forward
         self.logits_checked = False                 # the first logits are checked once for NaN/inf
@@ -110,6 +111,7 @@ class ModelRunner:
     def _logits(self, step: StepInputs) -> torch.Tensor:
         """The eager forward pass: packed tokens -> logits (N, V) of the rows that need them."""
         compile_dense = self.graph_mode == "compile" and step.is_decode
+        self.step_counts[compile_dense] += 1
         hidden = self.model(Forward(step, self.kv_cache, self.attention, compile=compile_dense))   # (T, d)
         return self.model.logits(hidden.index_select(0, step.logits_indices))                       # (N, V)
 
@@ -117,7 +119,11 @@ class ModelRunner:
         """How decode steps ran: engine.graphs' mode and, with CUDA graphs, captures and replays."""
         if self.graphs is not None:
             return self.graphs.stats()
-        return {"graphs": self.graph_mode, "graph_captures": 0, "graph_replays": 0, "graph_eager_steps": 0}
+        mode = self.graph_mode
+        if mode == "compile" and not self.step_counts[True]:
+            mode = "eager (no one-token decode step to compile)"
+        return {"graphs": mode, "graph_captures": 0, "graph_replays": 0,
+                "graph_eager_steps": self.step_counts[False] if self.graph_mode == "compile" else 0}
 
     def _check_finite(self, logits: torch.Tensor) -> None:
         if bool(logits.isfinite().all()):

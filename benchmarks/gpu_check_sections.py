@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -19,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-SMI_QUERY = "name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,ecc.mode.current,mig.mode.current"
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}     # atol = rtol, as in kernels/tests
 
 
@@ -43,46 +41,33 @@ def median_ms(fn, warmup: int = 3, repeats: int = 10, cuda: bool = True) -> floa
     return statistics.median(times)
 
 
-def _copy_bytes_s(device: str, cuda: bool) -> float:
-    """Bytes read + written per second copying a buffer of random data far larger than any cache."""
-    src = torch.rand((1 << 30) if cuda else (1 << 24), device=device)      # 4 GiB on a GPU, 64 MiB dry
-    dst = torch.empty_like(src)
-    return 2 * src.nbytes / (median_ms(lambda: dst.copy_(src), 2, 10 if cuda else 3, cuda) / 1e3)
-
-
 def environment(ctx) -> dict:
+    """The device as ablate records it (ablate.measure.device.describe: GPU provenance from torch and
+    nvidia-smi, TF32 flags) and its two ceilings, measured by ablate.measure.hardware's probes (CUDA
+    events on random data: a 4 GiB device-to-device copy, an 8192^3 bf16 matmul; tiny on a dry run)."""
     import triton
+
+    from ablate.measure import device as dev
+    from ablate.measure import hardware
     cuda = not ctx.dry
-    r = {"device": ctx.device, "python": sys.version.split()[0], "torch": torch.__version__,
-         "triton": triton.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
-    if shutil.which("nvidia-smi"):
-        smi = subprocess.run(["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv"], capture_output=True,
-                             text=True, timeout=30)
-        r["nvidia_smi"] = (smi.stdout or smi.stderr).strip()
-    if cuda:
-        p = torch.cuda.get_device_properties(0)
-        r |= {"gpu": p.name, "capability": f"{p.major}.{p.minor}", "sm_count": p.multi_processor_count,
-              "memory_gib": round(p.total_memory / 2**30, 1), "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-              "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-              "float32_matmul_precision": torch.get_float32_matmul_precision()}
-    ctx.measured["copy_bytes_s"] = _copy_bytes_s(ctx.device, cuda)
-    torch.cuda.empty_cache() if cuda else None
-    n = 8192 if cuda else 256
-    a, b = (torch.randn(n, n, device=ctx.device, dtype=torch.bfloat16) for _ in range(2))
-    ms = median_ms(lambda: a @ b, 5, 20 if cuda else 3, cuda)
-    ctx.measured["matmul_flops"] = 2 * n**3 / (ms / 1e3)
-    r |= {"copy_buffer_mib": (4096 if cuda else 64), "copy_gb_s": ctx.measured["copy_bytes_s"] / 1e9,
-          "matmul_n": n, "bf16_matmul_tflops": ctx.measured["matmul_flops"] / 1e12}
-    r["headline"] = (f"{r.get('gpu', 'CPU (dry run)')}: copy {r['copy_gb_s']:.0f} GB/s, bf16 matmul "
-                     f"{r['bf16_matmul_tflops']:.3g} TFLOP/s; torch {r['torch']}, triton {r['triton']}")
+    device = torch.device(ctx.device)
+    r = {"python": sys.version.split()[0], "torch": torch.__version__, "triton": triton.__version__,
+         **dev.describe(device)}
+    copy_bytes = (4 << 30) if cuda else (64 << 20)
+    ctx.measured["copy_bytes_s"] = hardware.measure_bandwidth(device, copy_bytes)
+    ctx.measured["matmul_flops"] = hardware.measure_flops(device, torch.bfloat16, n=256)   # CUDA: sized for the GPU
+    r |= {"copy_buffer_mib": copy_bytes >> 20, "copy_gb_s": ctx.measured["copy_bytes_s"] / 1e9,
+          "bf16_matmul_tflops": ctx.measured["matmul_flops"] / 1e12}
+    name = r["gpu"]["name"] if cuda else "CPU (dry run)"
+    r["headline"] = (f"{name}: copy {r['copy_gb_s']:.0f} GB/s, bf16 matmul {r['bf16_matmul_tflops']:.3g} TFLOP/s; "
+                     f"torch {r['torch']}, triton {r['triton']}")
     return r
 
 
 def _kernel_info(device: str) -> dict:
     """What runs the kernels here ("triton", "triton-interpreted") and how many variants compiled so far."""
     import ablate_kernels as ak
-    return {"backend": getattr(ak, "backend_label", lambda d: "unknown")(device),
-            "compiled_variants": getattr(ak, "compiled_variants", lambda: None)()}
+    return {"backend": ak.backend_label(device), "compiled_variants": ak.compiled_variants()}
 
 
 def _errors(out: torch.Tensor, ref: torch.Tensor, dtype) -> dict:
@@ -141,6 +126,7 @@ def kernel_correctness(ctx) -> dict:
 def _prefill_row(kg, seqlen: int, head_dim: int, heads: int, kv_heads: int, ctx) -> dict:
     """Flash prefill against each SDPA backend kernels_gpu.sdpa_backends() can force (best GQA mode each)."""
     import ablate_kernels as ak
+    from ablate_kernels import tuning
     cuda, dtype = not ctx.dry, torch.bfloat16
     q = torch.randn(seqlen, heads, head_dim, device=ctx.device, dtype=dtype)         # (T, H, D)
     k, v = (torch.randn(seqlen, kv_heads, head_dim, device=ctx.device, dtype=dtype) for _ in range(2))
@@ -150,8 +136,7 @@ def _prefill_row(kg, seqlen: int, head_dim: int, heads: int, kv_heads: int, ctx)
     flash_ms = median_ms(lambda: ak.flash_attention_varlen(q, k, v, cu, cu, seqlen, seqlen, causal=True),
                          warmup, repeats, cuda)
     row = {"seqlen": seqlen, "head_dim": head_dim, "flash_tflops": flops / flash_ms / 1e9}
-    tuning = sys.modules.get("ablate_kernels.tuning")      # the prefill autotuner's pick, where there is one
-    row["autotuned_config"] = getattr(tuning, "last_prefill_config", lambda: None)()
+    row["autotuned_config"] = tuning.last_prefill_config()     # the prefill autotuner's pick
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))   # (1, heads, T, D)
     modes = (("gqa", ks, vs, True), ("repeat_kv", ks.repeat_interleave(heads // kv_heads, 1),
                                      vs.repeat_interleave(heads // kv_heads, 1), False))
@@ -173,7 +158,7 @@ def _prefill_row(kg, seqlen: int, head_dim: int, heads: int, kv_heads: int, ctx)
 
 def kernel_timing(ctx) -> dict:
     import kernels_gpu as kg
-    heads, kv_heads = (4, 2) if ctx.dry else (getattr(kg, "NUM_HEADS", 32), getattr(kg, "NUM_KV_HEADS", 8))
+    heads, kv_heads = (4, 2) if ctx.dry else (kg.NUM_HEADS, kg.NUM_KV_HEADS)
     shapes = [(64, 64)] if ctx.dry else [(t, d) for d in (64, 128) for t in (4096, 8192, 16384)]
     prefill = [_prefill_row(kg, t, d, heads, kv_heads, ctx) for t, d in shapes]
     r = {**_kernel_info(ctx.device), "prefill": prefill,

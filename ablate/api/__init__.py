@@ -11,7 +11,8 @@ one. Variants and drafters that build models also import from ablate.api.model.
 from ablate.api.clock import now
 from ablate.api.context import BuildContext, EngineConfig
 from ablate.api.executor import Executor, ModelSession
-from ablate.api.kv import KVBudgetConfig, KVSpec, KVView, PackedKV, PaddedKV, PagedKV, budget_bytes
+from ablate.api.kv import (KVBudgetConfig, KVSpec, KVView, PackedKV, PaddedKV, PagedKV, budget_bytes,
+                           free_memory_bytes)
 from ablate.api.kv_cache import KVCache
 from ablate.api.packing import causal_mask, pad_queries, unpad_queries
 from ablate.api.plugin import Plugin, PluginConfig, PluginError, QualityBound, Requirement, Slot, Stat, StatFigure
@@ -26,5 +27,5 @@ __all__ = [
     "KVSpec", "KVView", "ModelSession", "ModelVariant", "PackedKV", "PaddedKV", "PagedKV", "Plugin",
     "PluginConfig", "PluginError", "QualityBound", "Request", "Requirement", "RowBuffers", "Sampler", "SamplingParams",
     "Scheduler", "Sequence", "Slot", "Stat", "StatFigure", "Status", "StepInputs", "StepLogits", "budget_bytes",
-    "causal_mask", "device_tensor", "now", "pad_queries", "probabilities", "unpad_queries",
+    "causal_mask", "device_tensor", "free_memory_bytes", "now", "pad_queries", "probabilities", "unpad_queries",
 ]

@@ -175,6 +175,7 @@ class KVBudgetConfig(PluginConfig):
 
 
 def free_memory_bytes(device: torch.device) -> int:
+    """Memory a new KV pool may take: free device memory on a GPU, available RAM on the CPU."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)

@@ -19,26 +19,14 @@ diverge there; the arm then runs eagerly from that step on, and says why.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from ablate.api.step import StepInputs
-from ablate.model.linear import products_stay_eager
 
-STEP_TENSORS = tuple(f.name for f in fields(StepInputs) if f.name in
-                     ("input_ids", "positions", "logits_indices", "query_starts_t", "kv_lens_t"))
-
-
-@functools.cache
-def compiled(fn: Callable) -> Callable:
-    """`fn` through torch.compile, once per function: every layer and arm shares the compiled code
-    (parameters are inputs, not constants), and dynamic shapes spare a recompile per batch size.
-    The matrix products stay eager (ablate/model/linear.py)."""
-    products_stay_eager()
-    return torch.compile(fn, dynamic=True)
+STEP_TENSORS = ("input_ids", "positions", "logits_indices", "query_starts_t", "kv_lens_t")   # copied per replay
 
 
 def graph_mode(device: torch.device, enabled: bool) -> str:

@@ -58,12 +58,11 @@ def with_fixed_kv_budget(arm: Arm, free_bytes: int | None, model_for: Callable[[
         return arm
     if config.budget_tokens:
         budget = config.budget_tokens * model_for(arm).config.kv_bytes_per_token()
-        fixed = replace(config, budget_bytes=budget, budget_tokens=0)
-        return replace(arm, plugins={**arm.plugins, Slot.KV_CACHE: fixed})
-    if free_bytes is None or not config.budget_fraction:
+    elif free_bytes is not None and config.budget_fraction:   # at least 1 byte: 0 would mean "no limit"
+        budget = max(int(config.budget_fraction * max(free_bytes - model_for(arm).weight_bytes(), 0)), 1)
+    else:
         return arm
-    budget = int(config.budget_fraction * max(free_bytes - model_for(arm).weight_bytes(), 0))
-    fixed = replace(config, budget_bytes=max(budget, 1), budget_fraction=0.0)   # 0 bytes would mean "no limit"
+    fixed = replace(config, budget_bytes=budget, budget_tokens=0, budget_fraction=0.0)
     return replace(arm, plugins={**arm.plugins, Slot.KV_CACHE: fixed})
 
 

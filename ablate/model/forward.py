@@ -8,6 +8,8 @@ on every step, where a try costs nothing, and a ValueError raised there is a plu
 not an option it reports."""
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,17 @@ from ablate.api.kv_cache import KVCache
 from ablate.api.plugin import PluginError
 from ablate.api.slots import Attention
 from ablate.api.step import StepInputs
+from ablate.model.linear import products_stay_eager
+
+
+@functools.cache
+def compiled(fn: Callable) -> Callable:
+    """`fn` through torch.compile, once per function: every layer and arm shares the compiled code
+    (parameters are inputs, not constants), and dynamic shapes spare a recompile per batch size.
+    The matrix products stay eager (ablate/model/linear.py). torch._dynamo is imported on the first
+    call, not with this module: it costs seconds, and imports triton."""
+    products_stay_eager()
+    return torch.compile(fn, dynamic=True)
 
 
 @dataclass
@@ -29,11 +42,8 @@ class Forward:
 
     def dense(self, fn, *args):
         """fn(*args): a layer's arithmetic between the slots (projections, norms, MLP), compiled when
-        asked (ablate/engine/graphs.py: one compiled function shared by every layer and arm)."""
-        if self.compile:
-            from ablate.engine.graphs import compiled    # torch.compile's import costs seconds: on use
-            return compiled(fn)(*args)
-        return fn(*args)
+        asked (engine.graphs on a CPU: one compiled function shared by every layer and arm)."""
+        return compiled(fn)(*args) if self.compile else fn(*args)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVView:
         """Write this step's k (T, H_kv, D_k), v (T, H_kv, D_v) of `layer`; return the layer's view."""

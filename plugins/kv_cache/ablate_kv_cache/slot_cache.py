@@ -10,18 +10,10 @@ import heapq
 from dataclasses import dataclass
 
 import numpy as np
-import psutil
 import torch
 
 from ablate.api import (BuildContext, KVBudgetConfig, KVCache, KVSpec, RowBuffers, Sequence, Stat, StepInputs,
-                        budget_bytes)
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory a new pool may take: free device memory on a GPU, available RAM on the CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    return int(psutil.virtual_memory().available)
+                        budget_bytes, free_memory_bytes)
 
 
 def check_pool_fits(cache: str, pool_bytes: int, seq_bytes: int, spec: KVSpec, config: KVBudgetConfig,

@@ -5,12 +5,34 @@ computed from the same rounded inputs. fp32 runs IEEE dots, so only the summatio
 (1e-4 leaves a wide margin). In fp16 / bf16 (unit roundoff u = 2^-11 / 2^-8) the probabilities are
 rounded before P @ V, |sum_j (p~_j - p_j) v_j| / l <= u max|v|, and the output is rounded, <= u |o|:
 about 2u of max|v|, and max|v| may exceed max|ref| by a little, hence 3e-3 and 1.5e-2.
-Nothing here imports triton: the tests decide whether it runs interpreted before importing it.
+Nothing here imports triton at import time: kernels/tests/conftest.py decides whether it runs
+interpreted before it is imported.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Continuous batching: one padded length (or block-table width), several batch sizes, hence several
+# split counts: the count follows batch x KV heads against the SM count (4 pretend SMs under the
+# interpreter), so a GPU needs bigger batches to change it
+if DEVICE == "cpu":
+    SPLIT_LEN, SPLIT_KV_HEADS, SPLIT_BATCHES = 256, 2, (1, 3, 5, 8)
+else:
+    SPLIT_LEN, SPLIT_KV_HEADS, SPLIT_BATCHES = 1024, 8, (1, 32, 64, 128)
+
+
+def _triton_runs() -> bool:
+    from ablate_kernels import triton_available
+    return triton_available(DEVICE)
+
+
+needs_triton = pytest.mark.skipif(
+    not _triton_runs(),
+    reason="no GPU, and the kernels were imported without TRITON_INTERPRET=1 (set it before importing triton)",
+)
 
 REL_TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 

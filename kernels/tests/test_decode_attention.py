@@ -1,47 +1,29 @@
 """flash_attention_decode (padded KV cache, split-K) against the fp32 PyTorch reference.
 
 On a machine without a GPU the kernels run under the Triton interpreter, switched on before triton is
-first imported (the environment line above the imports). Shapes are small because the interpreter
+first imported (kernels/tests/conftest.py). Shapes are small because the interpreter
 executes every program in numpy. Accuracy: relative error against the fp32 reference
 (ablate_kernels.testing.REL_TOL: fp32 1e-4, fp16 3e-3, bf16 1.5e-2).
 """
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():   # on a GPU the kernels compile; without one Triton's interpreter runs them
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from ablate_kernels import decode_attention as da  # noqa: E402
-from ablate_kernels import (  # noqa: E402
+from ablate_kernels import decode_attention as da
+from ablate_kernels import (
     flash_attention_decode,
     flash_attention_decode_ref,
     flash_attention_varlen,
     launch,
-    triton_available,
 )
-from ablate_kernels.testing import assert_close_relative, cumulative, make_decode  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Continuous batching: one padded length, several batch sizes. The split count follows batch x KV heads
-# against the SM count (4 pretend SMs under the interpreter), so the GPU needs bigger batches to change it.
-if DEVICE == "cpu":
-    SPLIT_LEN, SPLIT_KV_HEADS, SPLIT_BATCHES = 256, 2, (1, 3, 5, 8)
-else:
-    SPLIT_LEN, SPLIT_KV_HEADS, SPLIT_BATCHES = 1024, 8, (1, 32, 64, 128)
+from ablate_kernels.testing import (DEVICE, SPLIT_BATCHES, SPLIT_KV_HEADS, SPLIT_LEN, assert_close_relative, cumulative,
+                                    make_decode, needs_triton)
 
 
 def split_test_contexts(batch: int) -> list[int]:
     """Ragged context lengths up to SPLIT_LEN, every third one full."""
     return [SPLIT_LEN if i % 3 == 0 else (i * 37) % SPLIT_LEN for i in range(batch)]
 
-needs_triton = pytest.mark.skipif(
-    not triton_available(DEVICE),
-    reason="no GPU, and the kernels were imported without TRITON_INTERPRET=1 (set it before importing triton)",
-)
 
 
 @needs_triton

@@ -1,38 +1,25 @@
 """flash_attention_varlen against the fp32 PyTorch reference, and the input checks of the public API.
 
-On a machine without a GPU the kernels run under the Triton interpreter, which must be switched on
-before triton is first imported, hence the environment line above the imports. Shapes are small
+On a machine without a GPU the kernels run under the Triton interpreter, switched on before triton
+is first imported (kernels/tests/conftest.py). Shapes are small
 because the interpreter executes every program in numpy. Accuracy: relative error against the fp32
 reference (ablate_kernels.testing.REL_TOL: fp32 1e-4, fp16 3e-3, bf16 1.5e-2).
 """
 
-import os
-
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-if not torch.cuda.is_available():   # on a GPU the kernels compile; without one Triton's interpreter runs them
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from ablate_kernels import flash_attention as fa  # noqa: E402
-from ablate_kernels import (  # noqa: E402
+from ablate_kernels import flash_attention as fa
+from ablate_kernels import (
     flash_attention_decode,
     flash_attention_varlen,
     flash_attention_varlen_ref,
     launch,
     triton_available,
 )
-from ablate_kernels.testing import assert_close_relative, make_decode, make_varlen  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-needs_triton = pytest.mark.skipif(
-    not triton_available(DEVICE),
-    reason="no GPU, and the kernels were imported without TRITON_INTERPRET=1 (set it before importing triton)",
-)
+from ablate_kernels.testing import DEVICE, assert_close_relative, make_decode, make_varlen, needs_triton
 
 
 def varlen_both(q_lens, k_lens, num_heads, num_kv_heads, head_dim, dtype, causal, sm_scale=None):

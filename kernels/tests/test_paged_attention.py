@@ -1,41 +1,22 @@
 """paged_decode_attention against the fp32 reference and against the contiguous decode kernel.
 
-Runs under the Triton interpreter on CPU (switched on before triton is imported, hence the
-environment line above the imports). Accuracy: relative error against the fp32 reference from the same
+Runs under the Triton interpreter on CPU (switched on before triton is imported:
+kernels/tests/conftest.py). Accuracy: relative error against the fp32 reference from the same
 rounded inputs (ablate_kernels.testing.REL_TOL: fp32 1e-4, fp16 3e-3, bf16 1.5e-2).
 """
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():   # on a GPU the kernels compile; without one Triton's interpreter runs them
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from ablate_kernels import (  # noqa: E402
+from ablate_kernels import (
     flash_attention_decode,
-    launch,  # noqa: E402
+    launch,
     paged_decode_attention,
     paged_decode_attention_ref,
-    triton_available,
 )
-from ablate_kernels import paged_attention as pa  # noqa: E402
-from ablate_kernels.testing import assert_close_relative, make_paged  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Continuous batching: one block-table width, several batch sizes, hence several split counts (as in
-# test_decode_attention.py: the GPU's many SMs need bigger batches to change the count).
-if DEVICE == "cpu":
-    SPLIT_LEN, SPLIT_KV_HEADS, SPLIT_BATCHES = 256, 2, (1, 3, 5, 8)
-else:
-    SPLIT_LEN, SPLIT_KV_HEADS, SPLIT_BATCHES = 1024, 8, (1, 32, 64, 128)
-
-needs_triton = pytest.mark.skipif(
-    not triton_available(DEVICE),
-    reason="no GPU, and the kernels were imported without TRITON_INTERPRET=1 (set it before importing triton)",
-)
+from ablate_kernels import paged_attention as pa
+from ablate_kernels.testing import (DEVICE, SPLIT_BATCHES, SPLIT_KV_HEADS, SPLIT_LEN, assert_close_relative, make_paged,
+                                    needs_triton)
 
 
 @needs_triton

@@ -1,31 +1,25 @@
 """What the kernels do around a launch: split counts, compiled variants, labels, and CUDA-graph safety
 of the decode launchers (their host side may read tensor shapes, never tensor values).
 
-The environment line above the imports switches Triton's interpreter on where there is no GPU.
+kernels/tests/conftest.py switches Triton's interpreter on where there is no GPU.
 """
 
 import math
-import os
 from collections import defaultdict
 from types import SimpleNamespace
 
+import pytest
 import torch
+import triton
+from torch.overrides import TorchFunctionMode
 
-if not torch.cuda.is_available():   # on a GPU the kernels compile; without one Triton's interpreter runs them
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import ablate_kernels
+from ablate_kernels import decode_attention as da
+from ablate_kernels import flash_attention as fa
+from ablate_kernels import launch, tuning, variants
+from ablate_kernels import paged_attention as pa
+from ablate_kernels.testing import DEVICE, assert_close_relative, make_decode, make_paged, make_varlen
 
-import pytest  # noqa: E402
-import triton  # noqa: E402
-from torch.overrides import TorchFunctionMode  # noqa: E402
-
-import ablate_kernels  # noqa: E402
-from ablate_kernels import decode_attention as da  # noqa: E402
-from ablate_kernels import flash_attention as fa  # noqa: E402
-from ablate_kernels import launch, tuning, variants  # noqa: E402
-from ablate_kernels import paged_attention as pa  # noqa: E402
-from ablate_kernels.testing import assert_close_relative, make_decode, make_paged, make_varlen  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or launch._INTERPRETED,
                                 reason="needs compiled Triton kernels on a CUDA GPU")
 

@@ -1,7 +1,8 @@
-"""Chapter 7's cost calculator: what serving a model costs on a device, from shapes and datasheets alone.
+"""Chapter 7's cost calculator: what serving a model costs on a device or server, from shapes and datasheets alone.
 
 For a model with L layers, H query heads of width d_h, H_kv K/V heads, in a dtype of e bytes, on a
-device with memory bandwidth B, dense FLOP/s F and memory M:
+device with memory bandwidth B, dense FLOP/s F and memory M (the model side:
+ablate/analysis/model_costs.py; devices and `<N>x<device>` servers: ablate/analysis/devices.py):
 
     KV bytes per token       kv = 2 L H_kv d_h e              (MLA: L (d_c + d_R) e)
     KV bytes at context c    c kv
@@ -20,193 +21,143 @@ device with memory bandwidth B, dense FLOP/s F and memory M:
     ridge intensity          F / B: below it a step is bandwidth-bound; batching b sequences
                              multiplies the matmul intensity by about b.
 
-Devices: datasheet figures (dense bf16 FLOP/s, no sparsity), and this machine measured by
-ablate.measure.hardware.peaks (or given as peak_bandwidth / peak_flops) with its RAM as memory.
+A server of N devices splits weights and K/V heads N ways (tensor parallelism; K/V replicated when
+H_kv < N): ablate/analysis/servers.py, whose formulas reduce to the above for N = 1. Decode at
+batch sizes of serving against training steps (arithmetic intensity, regime, MFU ceiling):
+ablate/analysis/intensity.py.
+
+Tables (cost_tables): models (per model), devices (per model x device or server), requests (per
+model x device x context x concurrent requests), training_vs_inference (per model x device x phase
+x batch, decode at the first of context_lens).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
-import psutil
-import torch
 
-from ablate.model.config import DTYPES, ModelConfig, preset
+from ablate.analysis.devices import (DEVICES, SERVER_SYNTAX, THIS_MACHINE, DeviceSpec, ServerSpec, parse_server,
+                                     server_spec, this_machine)
+from ablate.analysis.intensity import TRAINING, intensity_rows
+from ablate.analysis.model_costs import PUBLISHED_PARAMS, ModelCosts, PublishedParams, model_costs
+from ablate.analysis.servers import ServerCosts, server_row
+from ablate.model.config import DTYPES
 
-THIS_MACHINE = "this-machine"
+__all__ = ["DEVICES", "PUBLISHED_PARAMS", "SERVERS", "THIS_MACHINE", "CostsConfig", "DeviceSpec", "ModelCosts",
+           "PublishedParams", "ServerSpec", "cost_tables", "model_costs", "printed_intensity_table", "printed_table",
+           "resolve_devices", "this_machine"]
 
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    name: str
-    bandwidth_bytes_s: float    # peak memory bandwidth
-    flops: float                # peak dense FLOP/s in 16-bit (bf16/fp16) matmuls
-    memory_bytes: float         # device memory (10^9-byte GB as datasheets count)
-    source: str
-
-
-DEVICES: dict[str, DeviceSpec] = {
-    "a100-80gb": DeviceSpec("A100 80GB SXM", 2.039e12, 312e12, 80e9,
-                            "NVIDIA A100 datasheet: HBM2e 2,039 GB/s, BF16 312 TFLOPS dense"),
-    "h100-sxm": DeviceSpec("H100 SXM 80GB", 3.35e12, 989e12, 80e9,
-                           "NVIDIA H100 datasheet: HBM3 3.35 TB/s, BF16 989 TFLOPS dense (1,979 with sparsity)"),
-    "h200": DeviceSpec("H200 SXM 141GB", 4.8e12, 989e12, 141e9,
-                       "NVIDIA H200 datasheet: HBM3e 4.8 TB/s, 141 GB, BF16 989 TFLOPS dense"),
-}
-
-
-@dataclass(frozen=True)
-class PublishedParams:
-    """Parameter counts a ModelConfig cannot express (mixture-of-experts MLPs)."""
-
-    total: float                # every parameter (all experts): what memory holds
-    active: float               # parameters one token uses (shared + routed experts): what decode reads
-    source: str
-
-
-PUBLISHED_PARAMS: dict[str, PublishedParams] = {
-    "deepseek-v2": PublishedParams(236e9, 21e9, "DeepSeek-V2 paper (arXiv:2405.04434): 236B total, 21B activated "
-                                                "per token"),
-}
+SERVERS = ["4xa100-80gb", "8xh100-sxm", "8xh200"]      # the default multi-device servers
 
 
 @dataclass
 class CostsConfig:
-    # model shapes: each a preset name plus ModelConfig fields to change and an optional label
+    # model shapes: each a preset name plus ModelConfig fields to change, an optional label and an
+    # optional weights_of (a preset whose unchanged shape gives the parameter counts: model_costs)
     models: list[dict[str, Any]] = field(default_factory=lambda: [
         {"preset": "llama-2-70b"},
         {"preset": "llama-2-70b", "n_kv_heads": 64, "label": "llama-2-70b-mha (64 KV heads)"},
-        {"preset": "gpt-3-175b"}, {"preset": "llama-3-8b"}, {"preset": "deepseek-v2"},
+        {"preset": "llama-2-70b", "n_kv_heads": 64, "weights_of": "llama-2-70b", "label": "llama-2-70b-book"},
+        {"preset": "llama-2-7b"}, {"preset": "gpt-3-175b"}, {"preset": "llama-3-8b"}, {"preset": "deepseek-v2"},
         {"preset": "smollm2-135m"}])
-    devices: list[str] = field(default_factory=lambda: [*DEVICES, THIS_MACHINE])   # DEVICES keys, this-machine
+    # DEVICES keys, <N>x<DEVICES key> servers (tensor parallel over N), this-machine
+    devices: list[str] = field(default_factory=lambda: [*DEVICES, *SERVERS, THIS_MACHINE])
     dtype: str = "bf16"                 # weights and KV: bf16 | fp16 | fp32
     context_lens: list[int] = field(default_factory=lambda: [4096, 32768, 131072])
     concurrent_requests: list[int] = field(default_factory=lambda: [1, 16, 64])
+    decode_batches: list[int] = field(default_factory=lambda: [1, 8, 32])        # sequences a decode step
+    training_batches: list[int] = field(default_factory=lambda: [512, 2048])    # tokens a training step
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"costs.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        unknown = [d for d in self.devices if d not in DEVICES and d != THIS_MACHINE]
+        unknown = []
+        for name in self.devices:
+            try:
+                parse_server(name)
+            except ValueError:
+                unknown.append(name)
         if unknown:
-            raise ValueError(f"costs.devices: unknown {unknown}; choose from {[*DEVICES, THIS_MACHINE]}")
+            raise ValueError(f"costs.devices: unknown {unknown}; write {SERVER_SYNTAX}, with devices "
+                             f"{sorted(DEVICES)} (or {THIS_MACHINE!r} alone), e.g. {[*DEVICES][0]}, {SERVERS[0]}")
         for entry in self.models:
             if "preset" not in entry:
                 raise ValueError(f"costs.models: each entry needs a `preset`, got {entry}")
-        for name in ("context_lens", "concurrent_requests"):
-            if not getattr(self, name) or min(getattr(self, name)) < 1:
-                raise ValueError(f"costs.{name} must be a non-empty list of positive integers")
+        for name in ("context_lens", "concurrent_requests", "decode_batches", "training_batches"):
+            values = getattr(self, name)
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"costs.{name} must be a non-empty list of positive integers, got {values}")
 
 
-@dataclass(frozen=True)
-class ModelCosts:
-    """A model shape's per-token figures in one dtype."""
-
-    label: str
-    cfg: ModelConfig
-    element_bytes: int
-    params_total: float
-    params_active: float            # parameters whose weights a decoded token reads (matmuls)
-    kv_bytes_per_token: int
-
-    @property
-    def weight_bytes(self) -> float:
-        return self.params_total * self.element_bytes
-
-    @property
-    def active_weight_bytes(self) -> float:
-        return self.params_active * self.element_bytes
-
-    def attention_flops_per_token(self, context: int) -> float:
-        """Q K^T and P V of one query over `context` keys, every layer and head."""
-        cfg = self.cfg
-        if cfg.attention_kind == "mla":   # absorbed: scores over d_c + d_R, outputs over d_c
-            return 2 * cfg.n_layers * cfg.n_heads * (2 * cfg.kv_latent_dim + cfg.rope_head_dim) * context
-        return 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * context
-
-    def decode_flops_per_token(self, context: int) -> float:
-        return 2 * self.params_active + self.attention_flops_per_token(context)
-
-    def decode_bytes_per_token(self, context: int) -> float:
-        return self.active_weight_bytes + context * self.kv_bytes_per_token
+def _as_server(spec: DeviceSpec | ServerSpec) -> ServerSpec:
+    return spec if isinstance(spec, ServerSpec) else ServerSpec(spec, 1)
 
 
-def model_costs(entry: dict[str, Any], dtype: str) -> ModelCosts:
-    fields = {k: v for k, v in entry.items() if k not in ("preset", "label")}
-    cfg = preset(entry["preset"], dtype=dtype, **fields)
-    label = entry.get("label") or entry["preset"]
-    element_bytes = DTYPES[dtype].itemsize
-    published = PUBLISHED_PARAMS.get(entry["preset"])
-    if published is not None:
-        total, active = published.total, published.active
-    else:
-        total = cfg.num_params()
-        # a decoded token reads every matmul weight; of the embedding table only its own row (untied)
-        active = total - (0 if cfg.tied_embeddings else cfg.vocab_size * cfg.d_model)
-    return ModelCosts(label, cfg, element_bytes, float(total), float(active), cfg.kv_bytes_per_token(element_bytes))
-
-
-def this_machine(dtype: torch.dtype, bandwidth: float = 0.0, flops: float = 0.0) -> DeviceSpec:
-    """The CPU this runs on: bandwidth and matmul FLOP/s measured (cached) or given, RAM as memory."""
-    from ablate.measure import hardware
-    peaks = hardware.peaks(torch.device("cpu"), dtype, bandwidth, flops)
-    return DeviceSpec("this machine (CPU)", peaks.bandwidth_bytes_s, peaks.flops,
-                      float(psutil.virtual_memory().total), f"ablate.measure.hardware.peaks ({peaks.source}); RAM from psutil")
-
-
-def cost_tables(config: CostsConfig, devices: dict[str, DeviceSpec]) -> dict[str, pd.DataFrame]:
-    """models: per model; devices: per model x device (context: the first of context_lens for the
-    per-token figures, every one for the request limits); requests: per model x device x context x N."""
+def cost_tables(config: CostsConfig, devices: Mapping[str, DeviceSpec | ServerSpec]) -> dict[str, pd.DataFrame]:
+    """models: per model; devices: per model x device or server (context: the first of context_lens
+    for the per-token figures, every one for the request limits); requests: per model x device x
+    context x N; training_vs_inference: per model x device x phase x batch (decode at context_lens[0])."""
     models = [model_costs(entry, config.dtype) for entry in config.models]
-    model_rows, device_rows, request_rows = [], [], []
+    servers = {key: _as_server(spec) for key, spec in devices.items()}
+    model_rows, device_rows, request_rows, intensity = [], [], [], []
     for m in models:
         model_rows.append({"model": m.label, "attention": m.cfg.attention_kind, "layers": m.cfg.n_layers,
-                           "heads": m.cfg.n_heads, "kv_heads": m.cfg.kv_cache_widths[0],
+                           "heads": m.cfg.n_heads, "kv_heads": m.kv_heads,
                            "params": m.params_total, "params_active": m.params_active,
-                           "weight_bytes": m.weight_bytes, "kv_bytes_per_token": m.kv_bytes_per_token,
+                           "weight_bytes": m.weight_bytes, "active_weight_bytes": m.active_weight_bytes,
+                           "kv_bytes_per_token": m.kv_bytes_per_token,
                            **{f"kv_bytes_at_{c}": c * m.kv_bytes_per_token for c in config.context_lens}})
-        for key, d in devices.items():
-            left = d.memory_bytes - m.weight_bytes
-            row = {"model": m.label, "device": key, "memory_bytes": d.memory_bytes, "weight_bytes": m.weight_bytes,
-                   "weights_fit": left > 0, "memory_left_for_kv": max(left, 0.0),
-                   "kv_tokens_that_fit": max(left, 0.0) // m.kv_bytes_per_token,
-                   "ridge_flop_per_byte": d.flops / d.bandwidth_bytes_s}
+        for key, server in servers.items():
+            costs = ServerCosts(m, server)
+            device_rows.append({"model": m.label, "device": key, **server_row(costs, config.context_lens)})
             for c in config.context_lens:
-                flops, moved = m.decode_flops_per_token(c), m.decode_bytes_per_token(c)
-                seconds = max(moved / d.bandwidth_bytes_s, flops / d.flops)
-                row |= {f"max_requests_at_{c}": max(left, 0.0) // (c * m.kv_bytes_per_token),
-                        f"decode_ms_per_token_at_{c}": 1e3 * seconds,
-                        f"intensity_flop_per_byte_at_{c}": flops / moved,
-                        f"mfu_ceiling_batch1_at_{c}": flops / seconds / d.flops}
                 for n in config.concurrent_requests:
-                    kv = n * c * m.kv_bytes_per_token
                     request_rows.append({"model": m.label, "device": key, "context": c, "requests": n,
-                                         "kv_bytes": kv, "memory_left_for_kv": max(left, 0.0),
-                                         "fits": 0 < kv <= left})
-            device_rows.append(row)
+                                         "kv_bytes": n * costs.kv_bytes_per_request(c),
+                                         "memory_left_for_kv": costs.memory_left,
+                                         "fits": costs.requests_fit(n, c)})
+            intensity += [{"device": key, **row} for row in intensity_rows(
+                costs, config.decode_batches, config.training_batches, config.context_lens[0])]
     return {"models": pd.DataFrame(model_rows), "devices": pd.DataFrame(device_rows),
-            "requests": pd.DataFrame(request_rows)}
+            "requests": pd.DataFrame(request_rows), "training_vs_inference": pd.DataFrame(intensity)}
 
 
 def printed_table(tables: dict[str, pd.DataFrame], config: CostsConfig) -> pd.DataFrame:
     """One row per model x device: the figures a reader wants first, in readable units."""
     c0 = config.context_lens[0]
-    dev = tables["devices"].merge(tables["models"][["model", "kv_bytes_per_token"]], on="model")
-    out = pd.DataFrame({
+    dev = tables["devices"]
+    return pd.DataFrame({
         "model": dev["model"], "device": dev["device"],
         "weights GB": (dev["weight_bytes"] / 1e9).round(1),
-        "KV/token KiB": (dev["kv_bytes_per_token"] / 2**10).round(1),
+        "GB/device": (dev["weight_bytes_per_device"] / 1e9).round(1),
+        "KV/token KiB": (dev["kv_bytes_per_token_server"] / 2**10).round(1),   # copies included
+        "KV copies": dev["kv_replication"].round(2),
         "KV GB left": (dev["memory_left_for_kv"] / 1e9).round(1),
         **{f"max reqs @{c}": dev[f"max_requests_at_{c}"].astype(int) for c in config.context_lens},
         f"ms/token @{c0}": dev[f"decode_ms_per_token_at_{c0}"].round(3),
         f"FLOP/B @{c0}": dev[f"intensity_flop_per_byte_at_{c0}"].round(2),
         f"MFU ceiling @{c0}": dev[f"mfu_ceiling_batch1_at_{c0}"].map(lambda x: f"{x:.2%}"),
     })
-    return out
 
 
-def resolve_devices(config: CostsConfig, bandwidth: float = 0.0, flops: float = 0.0) -> dict[str, DeviceSpec]:
-    out = {}
-    for key in config.devices:
-        out[key] = DEVICES[key] if key != THIS_MACHINE else this_machine(DTYPES[config.dtype], bandwidth, flops)
-    return out
+def printed_intensity_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """One row per model x device; a column per phase and batch: 'intensity (MFU ceiling)'."""
+    rows = tables["training_vs_inference"]
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows.itertuples():
+        row = out.setdefault((r.model, r.device), {"model": r.model, "device": r.device,
+                                                   "ridge FLOP/B": round(r.ridge_flop_per_byte, 1)})
+        phase = "train" if r.phase == TRAINING else "decode"
+        mark = "" if r.regime == "compute-bound" else " bw"
+        value = r.intensity_flop_per_byte
+        row[f"{phase} b={r.batch}"] = f"{value:.3g}{mark} ({r.mfu_ceiling:.1%})" if value < 100 else \
+            f"{value:.0f}{mark} ({r.mfu_ceiling:.0%})"
+    return pd.DataFrame(list(out.values()))
+
+
+def resolve_devices(config: CostsConfig, bandwidth: float = 0.0, flops: float = 0.0) -> dict[str, ServerSpec]:
+    """config.devices -> servers (a single device is a server of one); this-machine measured or given."""
+    mine = this_machine(DTYPES[config.dtype], bandwidth, flops) if THIS_MACHINE in config.devices else None
+    return {key: server_spec(key, mine) for key in config.devices}

@@ -178,6 +178,9 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-3-8b": _preset(name="llama-3-8b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
                           d_ff=14336, vocab_size=128256, rope_base=500_000.0, tied_embeddings=False,
                           max_seq_len=8192),
+    # Llama-2-7B (MHA: 32 K/V heads): 6,738,415,616 parameters, as published
+    "llama-2-7b": _preset(name="llama-2-7b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32,
+                          d_ff=11008, vocab_size=32000, tied_embeddings=False, max_seq_len=4096),
     # multi-head latent attention (DeepSeek-V2 style, ablate/model/mla.py), random weights: `mla-tiny`
     # for tests; `mla-small` has 128-dim heads and caches latent 512 + rotary key 64 per token, as
     # DeepSeek-V2 does (its MHA twin: model.attention_kind=mha model.kv_latent_dim=0 model.rope_head_dim=0)

@@ -16,6 +16,7 @@ from ablate.report.declared import Declarations
 from ablate.report.page import main as report_main
 from ablate.report.page import markdown, write_report
 from ablate.report.plots import Layout, draw, with_run_columns
+from ablate.report.tables import summary_table
 from ablate.results import RunFolder
 from ablate_decoding.speculative import Speculative
 
@@ -192,3 +193,14 @@ def test_a_job_writes_its_figures_and_logs_each_to_wandb(compose_config, registr
     wandb_dir = Path(json.loads((folder.path / "done.json").read_text())["wandb_dir"])
     logged = {p.name.rsplit("_", 2)[0] for p in (wandb_dir / "files" / "media" / "images").glob("*.png")}
     assert logged == set(drawn)
+
+
+def test_a_ttft_slo_adds_its_goodput_and_attainment_columns():
+    plain = summary_frame({"rate": [1.0]}, goodput_req_s=lambda n, i: 1.0)
+    assert "TTFT-SLO goodput req/s" not in summary_table(plain, ["rate"])
+    slo = summary_frame({"rate": [1.0]}, goodput_req_s=lambda n, i: 1.0 + i,
+                        goodput_ttft_req_s=lambda n, i: 1.5 + i, ttft_slo_attained=lambda n, i: 0.75 + 0.25 * i)
+    table = summary_table(slo, ["rate"])
+    assert table["goodput req/s"].tolist() == ["1.00", "2.00"]
+    assert table["TTFT-SLO goodput req/s"].tolist() == ["1.50", "2.50"]
+    assert table["TTFT SLO met"].tolist() == ["75%", "100%"]

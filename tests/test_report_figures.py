@@ -55,6 +55,14 @@ def test_goodput_has_cis_and_names_the_slos(tmp_path):
     fig = plots.goodput_figure(frame, Layout.of(frame, ["rate"]), slo={"ttft": 200.0, "tpot": 50.0})
     (ax,) = fig.axes
     assert len(errorbar_spans(ax)) == 4 and "TTFT <= 200 ms, TPOT <= 50 ms" in ax.get_title()
+    # with the TTFT SLO alone too: its own series (dashed) with CIs over the rounds, named in the legend
+    runs["goodput_ttft_req_s"] = 3.0 * runs["goodput_req_s"]
+    frame = with_run_columns(summary.assign(goodput_ttft_req_s=6.0), runs, ["rate"])
+    fig = plots.goodput_figure(frame, Layout.of(frame, ["rate"]), slo={"ttft": 200.0, "tpot": 50.0})
+    ci = log_interval(runs[(runs["arm"] == "cache") & (runs["rate"] == 1.0)]["goodput_ttft_req_s"])
+    assert len(errorbar_spans(fig.axes[0])) == 8
+    assert any(np.allclose(span, (ci.low, ci.high)) for span in errorbar_spans(fig.axes[0]))
+    assert {"every SLO set", "TTFT SLO alone"} <= set(legend_labels(fig))
     figures = draw(summary, ["rate"], tmp_path, runs, ttft_slo_ms=200.0)
     assert {"latency", "goodput"} <= set(figures)
 

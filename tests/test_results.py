@@ -7,11 +7,12 @@ import struct
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
 from ablate.experiment.job import run_identity, run_job
-from ablate.measure.metrics import goodput, kv_utilisation, request_table, summarise
+from ablate.measure.metrics import goodput, kv_utilisation, request_table, summarise, ttft_slo_attainment
 from ablate.measure.recorder import Recorder, RequestRecord, StepRecord
 from ablate.analysis.stats import log_interval
 from ablate.results import config_hash, load, runs_under
@@ -260,6 +261,18 @@ def test_goodput_counts_requests_meeting_every_slo():
     assert goodput(table, 400, None, 2.0) == 0.5                     # only request 1's TTFT is <= 400 ms
     assert goodput(table, 600, 200, 1.0) == 1.0                      # request 0's TPOT 250 ms misses
     assert goodput(table, 600, 300, 1.0) == 2.0                      # a 1-token request has no TPOT to miss
+
+
+def test_ttft_goodput_counts_the_ttft_slo_alone():
+    table = request_table(hand_made_recorder())                      # TTFT 500 ms and 250 ms; TPOT 250 ms and none
+    # a TTFT SLO of 600 ms and a TPOT SLO of 200 ms: request 0 meets the TTFT SLO but misses the TPOT one
+    assert goodput(table, 600, 200, 2.0) == 0.5
+    assert ttft_slo_attainment(table, 600, 2.0) == {"goodput_ttft_req_s": 1.0, "ttft_slo_attained": 1.0}
+    assert ttft_slo_attainment(table, 400, 2.0) == {"goodput_ttft_req_s": 0.5, "ttft_slo_attained": 0.5}
+    never = pd.concat([table, pd.DataFrame({"ttft_s": [np.nan]})], ignore_index=True)   # never emitted: misses it
+    assert ttft_slo_attainment(never, 600, 1.0) == {"goodput_ttft_req_s": 2.0, "ttft_slo_attained": 2 / 3}
+    with pytest.raises(ValueError, match="must be positive"):
+        ttft_slo_attainment(table, 0, 2.0)
 
 
 # -- failures ---------------------------------------------------------------------------------------------

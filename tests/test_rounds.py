@@ -156,3 +156,17 @@ def test_verdict_names_what_was_lost():
     assert "agree 10%" in verdict(cfg, 1.0, 0.1)
     with pytest.raises(ValueError, match="context_tokens"):
         QualityConfig(heldout_tokens=8, context_tokens=8)
+
+
+def test_a_ttft_slo_gives_ttft_goodput_and_attainment_per_round_and_in_the_summary(registry):
+    # every TTFT meets a 1000 s SLO; no TPOT meets a 1 ns one (each request emits 6 tokens): the two goodputs part
+    result = tiny_experiment(registry, {"baseline": {}}, repeats=2, ttft_slo_ms=1e6, tpot_slo_ms=1e-6,
+                             quality=QualityConfig(enabled=False))
+    runs = result.runs
+    assert (runs["goodput_req_s"] == 0).all() and (runs["ttft_slo_attained"] == 1.0).all()
+    assert np.allclose(runs["goodput_ttft_req_s"], 2 / runs["duration_s"])          # 2 requests per round
+    row = result.summary.iloc[0]
+    assert row["ttft_slo_attained"] == 1.0 and row["goodput_ttft_req_s"] == pytest.approx(
+        runs["goodput_ttft_req_s"].median())
+    none_set = tiny_experiment(registry, {"baseline": {}}, repeats=1, quality=QualityConfig(enabled=False))
+    assert "goodput_ttft_req_s" not in none_set.runs and "ttft_slo_attained" not in none_set.summary

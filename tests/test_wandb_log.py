@@ -183,7 +183,8 @@ def job_frames():
                          "duration_s": scale * (10 + repeat), "output_throughput_tok_s": 100 / scale,
                          **{f"{m}_{p}_ms": scale * (k + 1) * (repeat + 1) for k, m in enumerate(("ttft", "tpot"))
                             for p in ("p50", "p90", "p99")},
-                         "e2e_p99_ms": 900.0 * scale, "goodput_req_s": 2.0 / scale})
+                         "e2e_p99_ms": 900.0 * scale, "goodput_req_s": 2.0 / scale,
+                         "goodput_ttft_req_s": 3.0 / scale, "ttft_slo_attained": 0.25 * (repeat + 1)})
     runs = pd.DataFrame(rows)
     summary = runs.groupby(["output_len", "arm"], sort=False).median(numeric_only=True).reset_index()
     summary = summary.drop(columns="repeat").assign(status="ok", speedup=[1.0, 2.0], speedup_ci_low=[1.0, 1.9],
@@ -210,8 +211,9 @@ def test_an_offline_run_holds_summary_per_round_history_tables_and_context(tmp_p
     assert logged["config"]["model"] == {"name": "tiny"}
     s = logged["summary"]
     for key in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p99_ms", "e2e_p99_ms", "goodput_req_s",
-                "speedup", "ppl_ratio", "token_agreement"):
+                "goodput_ttft_req_s", "ttft_slo_attained", "speedup", "ppl_ratio", "token_agreement"):
         assert f"{key}/kv_cache/output_len=64" in s, key
+    assert s["goodput_ttft_req_s/kv_cache/output_len=64"] == 6.0 and s["ttft_slo_attained/kv_cache/output_len=64"] == 0.5
     assert s["speedup/kv_cache/output_len=64"] == 2.0 and s["quality_flag/kv_cache/output_len=64"] == "ok"
     assert "quality_flag/recompute/output_len=64" not in s        # an empty flag is no flag
     assert s["requests/_type"] == "table-file" and s["requests/nrows"] == 4
@@ -219,6 +221,7 @@ def test_an_offline_run_holds_summary_per_round_history_tables_and_context(tmp_p
     assert [h["round"] for h in rounds] == [0, 1, 2]
     assert [h["ttft_p99_ms/kv_cache/output_len=64"] for h in rounds] == [0.5, 1.0, 1.5]
     assert rounds[0]["duration_s/recompute/output_len=64"] == 10.0
+    assert [h["ttft_slo_attained/kv_cache/output_len=64"] for h in rounds] == [0.25, 0.5, 0.75]
 
 
 def test_a_failed_job_is_a_run_with_exit_code_1_and_its_error(tmp_path):

@@ -44,7 +44,7 @@ from ablate.experiment.config import ExperimentConfig
 from ablate.experiment.summary import summarise_arms
 from ablate.measure.exactness import compare_greedy
 from ablate.measure.hardware import Peaks
-from ablate.measure.metrics import goodput
+from ablate.measure.metrics import goodput, ttft_slo_attainment
 from ablate.model.llama import LlamaModel
 from ablate.report.declared import Declarations
 from ablate.workload.requests import WorkloadConfig, make_requests
@@ -147,6 +147,8 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
         has_slo = exp.ttft_slo_ms is not None or exp.tpot_slo_ms is not None
         if has_slo and not run.requests.empty:   # requests per second meeting every SLO set
             run.row["goodput_req_s"] = goodput(run.requests, exp.ttft_slo_ms, exp.tpot_slo_ms, run.row["duration_s"])
+        if exp.ttft_slo_ms is not None and not run.requests.empty:   # the TTFT SLO alone: goodput, attainment
+            run.row |= ttft_slo_attainment(run.requests, exp.ttft_slo_ms, run.row["duration_s"])
         progress(f"{where}: {run.row['duration_s']:.3f} s, {run.row['output_throughput_tok_s']:.1f} tok/s")
         return run
 

@@ -16,9 +16,9 @@ MEDIAN_COLUMNS = (
     "duration_s", "output_throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
     "itl_p50_ms", "itl_p99_ms", "tokens_per_emission", "decode_step_q1_ms", "decode_step_q4_ms",
     "peak_memory_bytes", "kv_reserved_peak_bytes", "kv_used_peak_bytes", "kv_util_mean", "mbu_decode", "mfu",
-    "kv_util_at_peak", "queue_p50_ms", "queue_p99_ms", "goodput_req_s", "seqs_admitted_max", "seqs_admitted_mean",
-    "seqs_admitted_while_queued", "preemptions", "kv_bytes_per_token", "baseline_agreement", "token_agreement",
-    "perplexity", "ppl_ratio")
+    "kv_util_at_peak", "queue_p50_ms", "queue_p99_ms", "goodput_req_s", "goodput_ttft_req_s", "ttft_slo_attained",
+    "seqs_admitted_max", "seqs_admitted_mean", "seqs_admitted_while_queued", "preemptions", "kv_bytes_per_token",
+    "baseline_agreement", "token_agreement", "perplexity", "ppl_ratio")
 # an arm's status over its rounds: the worst one counts (degraded: lost quality, ablate.experiment.quality_guard)
 STATUS_ORDER = ("ok", "degraded", "diverged", "failed")
 AGGREGATE = {"median": lambda v: v.median(), "max": lambda v: v.max(), "min": lambda v: v.min(),

@@ -4,6 +4,8 @@ TTFT = first token time - arrival; TPOT = (E2E - TTFT) / (output tokens - 1), on
 ITL = gaps between a request's consecutive emissions (a multi-token emission is one);
 E2E = last token time - arrival. Throughputs divide by (last finish - first arrival).
 Queueing time = start of the first step that feeds the request - arrival.
+Goodput = requests meeting every SLO set / duration; TTFT goodput = requests meeting the TTFT SLO
+alone / duration, and TTFT SLO attainment = the fraction of requests meeting it.
 """
 from __future__ import annotations
 
@@ -156,6 +158,21 @@ def goodput(requests: pd.DataFrame, ttft_slo_ms: float | None, tpot_slo_ms: floa
         tpot = requests["tpot_s"].to_numpy() * 1e3
         ok &= np.isnan(tpot) | (tpot <= tpot_slo_ms)
     return float(ok.sum()) / duration_s
+
+
+def ttft_slo_attainment(requests: pd.DataFrame, ttft_slo_ms: float, duration_s: float) -> dict[str, float]:
+    """The TTFT SLO alone (what a user waits before the first token; TPOT not counted):
+
+        goodput_ttft_req_s = #{requests with TTFT <= SLO} / duration
+        ttft_slo_attained  = #{requests with TTFT <= SLO} / #requests
+
+    A request that never emitted a token (TTFT NaN) misses it."""
+    if ttft_slo_ms <= 0 or duration_s <= 0:
+        raise ValueError(f"ttft_slo_attainment: the TTFT SLO ({ttft_slo_ms} ms) and the duration ({duration_s} s) "
+                         "must be positive")
+    met = int((requests["ttft_s"].to_numpy(float) * 1e3 <= ttft_slo_ms).sum())    # NaN <= x is False
+    return {"goodput_ttft_req_s": met / duration_s,
+            "ttft_slo_attained": met / len(requests) if len(requests) else np.nan}
 
 
 def roofline(rec: Recorder, peaks) -> dict[str, float]:

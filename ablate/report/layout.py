@@ -43,7 +43,8 @@ AXIS_LABELS = {
 RUN_COLUMNS = {"perplexity": "median"}
 # get `<column>_ci_low/high` from the rounds (log_interval) when the summary lacks them
 CI_COLUMNS = ("output_throughput_tok_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p90_ms",
-              "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "goodput_req_s")
+              "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "goodput_req_s",
+              "goodput_ttft_req_s", "ttft_slo_attained")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 MIB = 2**20
 

@@ -117,8 +117,8 @@ def _status_column(summary: pd.DataFrame) -> dict[str, list[str]]:
 
 def _serving_columns(summary: pd.DataFrame) -> dict[str, list[str]]:
     """Tail latency, queueing, goodput and preemptions where arms differ in their scheduler or one
-    preempted, and
-    the order requests finished in when arms differ in it on a small workload (the textbook case)."""
+    preempted; goodput and attainment under the TTFT SLO alone where one is set; and the order
+    requests finished in when arms differ in it on a small workload (the textbook case)."""
     columns: dict[str, list[str]] = {}
     schedulers_differ = _column(summary, "label").fillna("").str.contains("scheduler=").any()
     preempted = (_column(summary, "preemptions").fillna(0) > 0).any()
@@ -128,6 +128,9 @@ def _serving_columns(summary: pd.DataFrame) -> dict[str, list[str]]:
                     "queue p99 ms": _column(summary, "queue_p99_ms").map(_ms).tolist(),
                     "goodput req/s": _column(summary, "goodput_req_s").map(_fmt(".2f")).tolist(),
                     "preempted": _column(summary, "preemptions").map(_fmt(".0f")).tolist()}
+    if "goodput_ttft_req_s" in summary:      # a TTFT SLO is set: requests that met it alone, and their share
+        columns |= {"TTFT-SLO goodput req/s": summary["goodput_ttft_req_s"].map(_fmt(".2f")).tolist(),
+                    "TTFT SLO met": _column(summary, "ttft_slo_attained").map(_fmt(".0%")).tolist()}
     orders = summary["finish_order"] if "finish_order" in summary else pd.Series(dtype=object)
     if orders.nunique() > 1 and orders.map(lambda o: isinstance(o, str) and len(o.split()) <= 8).all():
         columns["finish order"] = orders.tolist()

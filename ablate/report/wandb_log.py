@@ -2,10 +2,11 @@
 
 config = the resolved config (plus the hardware peaks and the environment when given), group = the
 experiment, tags = chapter and plugins, summary = per arm: speedups, memory, latency percentiles,
-goodput and quality, history = the per-arm metrics of each round (x axis `round`), tables = the
-per-arm rows and the requests. A failed job is logged too, with exit code 1 and its error.
-wandb is imported only here and only when logging is on, so the engine runs where it is not
-installed; its own chatter (banner, sync hints) is silenced, our warnings are one line each.
+goodput (every SLO; the TTFT SLO alone) and quality, history = the per-arm metrics of each round (x
+axis `round`), tables = the per-arm rows and the requests. A failed job is logged too, with exit
+code 1 and its error. wandb is imported only here and only when logging is on, so the engine runs
+where it is not installed; its own chatter (banner, sync hints) is silenced, our warnings are one
+line each.
 """
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ LATENCY_KEYS = tuple(f"{m}_{p}_ms" for m in ("ttft", "tpot", "itl", "e2e") for p
 # summary keys per arm (and grid point), whichever of these columns the results hold
 SUMMARY_KEYS = ("speedup", "speedup_ci_low", "speedup_ci_high", "predicted_speedup", "memory_ratio",
                 "output_throughput_tok_s", "peak_memory_bytes", "kv_reserved_peak_bytes", *LATENCY_KEYS,
-                "goodput_req_s", "ppl_ratio", "token_agreement")
+                "goodput_req_s", "goodput_ttft_req_s", "ttft_slo_attained", "ppl_ratio", "token_agreement")
 TEXT_KEYS = ("status", "quality_flag")
 # history: one step per round, these metrics per arm (and grid point)
-ROUND_KEYS = ("duration_s", "output_throughput_tok_s", *LATENCY_KEYS, "goodput_req_s", "peak_memory_bytes",
-              "ppl_ratio", "token_agreement")
+ROUND_KEYS = ("duration_s", "output_throughput_tok_s", *LATENCY_KEYS, "goodput_req_s", "goodput_ttft_req_s",
+              "ttft_slo_attained", "peak_memory_bytes", "ppl_ratio", "token_agreement")
 MAX_TABLE_ROWS = 100_000    # a W&B table beyond this is refused; the results folder has every row
 
 

@@ -1,6 +1,7 @@
 """`python -m ablate ...`: Hydra composes the config and runs a job (or a sweep with -m).
 
-`python -m ablate plugins` lists the plugins found; `python -m ablate compare <run> <run>` compares
+`python -m ablate plugins` lists the plugins found; `python -m ablate book [section=7.3]` prints the
+chapter's claims with the project's figures and verdicts; `python -m ablate compare <run> <run>` compares
 two result folders; `python -m ablate collect results/<experiment> [--out DIR]` joins every job of a
 sweep into sweep_runs/sweep_summary tables (CSV and Parquet) and a sweep report.
 """
@@ -21,6 +22,15 @@ def list_plugins() -> None:
     print("  ".join(k.ljust(w) for k, w in widths.items()))
     for r in rows:
         print("  ".join(str(r[k]).ljust(w) for k, w in widths.items()))
+
+
+def book_arguments(args: list[str]) -> list[str]:
+    """`book section=7.3 measure=false` -> Hydra's `+experiment=book redo=true book.section=7.3 ...`:
+    the book's own options may be given bare; it is always computed afresh (it reads the latest runs)."""
+    from ablate.book.config import BookConfig
+    own = set(BookConfig.__dataclass_fields__)
+    return ["+experiment=book", "redo=true",
+            *(f"book.{a}" if a.split("=", 1)[0] in own else a for a in args)]
 
 
 def _debugging() -> bool:
@@ -65,6 +75,8 @@ def _main() -> None:
         from ablate.report.compare import main as compare
         compare(sys.argv[2:])
         return
+    if sys.argv[1:2] == ["book"]:
+        sys.argv[1:] = book_arguments(sys.argv[2:])
     if sys.argv[1:2] == ["collect"]:
         from ablate.report.collect import main as collect
         collect(sys.argv[2:])

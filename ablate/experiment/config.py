@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ablate.analysis.costs import CostsConfig
+from ablate.book.config import BookConfig
 from ablate.api.context import EngineConfig
 from ablate.api.plugin import PluginConfig, Slot
 from ablate.engine.arm import ArmSpec
@@ -23,6 +24,9 @@ from ablate.experiment.quality_guard import QualityConfig
 from ablate.model.config import ModelConfig
 from ablate.report.wandb_log import WandbConfig
 from ablate.workload.requests import WorkloadConfig
+
+
+KINDS = ("engine", "costs", "book")
 
 
 @dataclass
@@ -45,7 +49,8 @@ class ExperimentConfig:
     # activations and attention's scores, not only weights + KV; every op then runs slower
     track_memory: bool = False
     kind: str = "engine"                  # engine: arms through the engine; costs: the cost calculator only
-                                          # (ablate/analysis/costs.py; no model is loaded, arms and grid are unused)
+                                          # (ablate/analysis/costs.py; no model is loaded, arms and grid are unused);
+                                          # book: the chapter's claims table (ablate/book)
     # techniques -> arms instead of `arms` (ablate/experiment/ablation.py): full, baseline, leave-one-out, add-one-in
     ablation: AblationConfig | None = None
     # the quality guardrail: token agreement and perplexity ratio against the baseline, per arm
@@ -58,8 +63,8 @@ class ExperimentConfig:
                      for name, spec in (self.arms or {}).items()}
         if isinstance(self.ablation, dict):
             self.ablation = parse_ablation(self.ablation) if self.ablation else None
-        if self.kind not in ("engine", "costs"):
-            raise ValueError(f"experiment.kind must be 'engine' or 'costs', got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"experiment.kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.repeats < 1:
             raise ValueError(f"experiment.repeats must be >= 1, got {self.repeats}")
         if self.max_repeats and self.max_repeats < self.repeats:
@@ -101,6 +106,7 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     costs: CostsConfig | None = None      # experiment.kind=costs: the cost calculator's options
+    book: BookConfig | None = None        # experiment.kind=book: the claims table's options
     device: str = "auto"          # auto | cpu | cuda | cuda:N
     threads: int = 0              # torch CPU threads; 0: torch's default
     peak_bandwidth: float = 0.0   # bytes/s for MBU and the roofline; 0: measured on this machine
@@ -130,7 +136,7 @@ def build(cls: type, values: dict[str, Any] | None, where: str):
         raise ValueError(f"{where}: {err}") from err
 
 
-SECTIONS = ("model", "experiment", "workload", "engine", "wandb", "costs")
+SECTIONS = ("model", "experiment", "workload", "engine", "wandb", "costs", "book")
 TOP_LEVEL = ("device", "threads", "peak_bandwidth", "peak_flops", "results_dir", "redo")
 
 
@@ -155,5 +161,6 @@ def to_run_config(raw: dict[str, Any], registry: Registry) -> RunConfig:
         "engine": build(EngineConfig, raw.get("engine"), "engine"),
         "wandb": build(WandbConfig, raw.get("wandb"), "wandb"),
         "costs": build(CostsConfig, raw.get("costs"), "costs") if raw.get("costs") is not None else None,
+        "book": build(BookConfig, raw.get("book"), "book") if raw.get("book") is not None else None,
         **{k: raw[k] for k in TOP_LEVEL if k in raw},
     }, "config")

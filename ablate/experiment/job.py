@@ -37,6 +37,7 @@ from ablate.model.llama import LlamaModel
 from ablate.report.ablation import decode_modes, wandb_extras
 from ablate.report.console import job_prefix
 from ablate.report.declared import FILE as DECLARATIONS_FILE
+from ablate.book.chapter_tables import chapter_tables, table_name
 from ablate.report.page import write_report
 from ablate.report.tables import console_table
 from ablate.report.wandb_log import log_failed_run, log_run, summary_metrics, warn
@@ -129,6 +130,10 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
             from ablate.experiment.costs_job import run_costs_job
             run_costs_job(cfg, raw, folder)
             return folder
+        if cfg.experiment.kind == "book":     # the chapter's claims: computed, measured briefly, or read from runs
+            from ablate.book.job import run_book_job
+            run_book_job(cfg, raw, folder, device)
+            return folder
 
         def keep(runs, requests) -> None:   # after every round: what was measured is on disk
             folder.write_table("runs", runs)
@@ -162,7 +167,7 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
 
 def _peaks(cfg: RunConfig, device: torch.device, say) -> hardware.Peaks | None:
     """This machine's peaks (cached, measured, or given), or None with the reason printed."""
-    if cfg.experiment.kind == "costs":
+    if cfg.experiment.kind in ("costs", "book"):    # no engine run: nothing to divide by peaks
         return None
     try:
         peaks = hardware.peaks(device, cfg.model.torch_dtype, cfg.peak_bandwidth, cfg.peak_flops)
@@ -200,9 +205,12 @@ def _publish(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Exper
              "through each arm / the baseline's; an arm beyond the limits is *degraded* and gets no speedup",
              decode_modes(result.runs)]
     notes = [n for n in notes if n]
+    analytic = attempt("the chapter's analytic tables", lambda: chapter_tables(raw, result.summary)) or {}
+    for heading, table in analytic.items():
+        attempt(f"storing {heading!r}", lambda: folder.write_table(table_name(heading), table))
     written = attempt("the report", lambda: write_report(
         folder.path, result.summary, point_keys, cfg.experiment.name, notes, result.runs, result.declared,
-        ttft_slo_ms=cfg.experiment.ttft_slo_ms, tpot_slo_ms=cfg.experiment.tpot_slo_ms))
+        ttft_slo_ms=cfg.experiment.ttft_slo_ms, tpot_slo_ms=cfg.experiment.tpot_slo_ms, analytic=analytic))
     report, figures = written or (None, {})
     print()
     attempt("the console table", lambda: print(console_table(result.summary, point_keys)))
@@ -213,7 +221,7 @@ def _publish(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Exper
                         tags=_tags(cfg, arms), config=raw,
                         summary=summary_metrics(result.summary, point_keys) | ablation_summary,
                         tables={"summary": result.summary, "runs": result.runs, "requests": result.requests,
-                                **ablation_tables},
+                                **ablation_tables, **{table_name(h): t for h, t in analytic.items()}},
                         images=figures, default_dir=folder.path, runs=result.runs, point_keys=point_keys,
                         **_wandb_context(env))
     say(f"\nreport: {report}" + (f"\nW&B run: {wandb_dir}" if wandb_dir else ""))

@@ -11,8 +11,9 @@ from ablate.report.tables import kv_table, noise_notes, plugin_tables, summary_t
 
 def markdown(title: str, summary: pd.DataFrame, point_keys: list[str], notes: list[str],
              figures: dict[str, Path] | None = None, runs: pd.DataFrame | None = None,
-             declared: Declarations | None = None) -> str:
-    """The report page: the summary table, the tables the results call for, notes, then the figures."""
+             declared: Declarations | None = None, analytic: dict[str, pd.DataFrame] | None = None) -> str:
+    """The report page: the summary table, the tables the results call for, the chapter's analytic
+    tables (ablate/book/chapter_tables.py), notes, then the figures."""
     from ablate.report.plots import caption, with_run_columns
 
     declared = declared or Declarations()
@@ -21,6 +22,7 @@ def markdown(title: str, summary: pd.DataFrame, point_keys: list[str], notes: li
     tables = plugin_tables(frame, point_keys, declared)
     if (kv := kv_table(frame, point_keys)) is not None:
         tables["KV bytes, memory and admission"] = kv
+    tables |= analytic or {}
     for heading, table in tables.items():
         lines += [f"## {heading}", "", table.to_markdown(index=False), ""]
     lines += [f"- {n}" for n in [*notes, *noise_notes(summary, point_keys)]]
@@ -34,12 +36,14 @@ def markdown(title: str, summary: pd.DataFrame, point_keys: list[str], notes: li
 def write_report(run_dir: Path, summary: pd.DataFrame, point_keys: list[str], title: str,
                  notes: list[str], runs: pd.DataFrame | None = None,
                  declared: Declarations | None = None, ttft_slo_ms: float | None = None,
-                 tpot_slo_ms: float | None = None) -> tuple[Path, dict[str, Path]]:
+                 tpot_slo_ms: float | None = None,
+                 analytic: dict[str, pd.DataFrame] | None = None) -> tuple[Path, dict[str, Path]]:
     """report.md and its PNG figures in the run folder; returns the report and the figures.
 
     `runs` (one row per round) adds what the summary lacks (CIs of throughput, latency, goodput);
     `declared` says how to show the plugins' stats and which figures they call for; the SLOs
-    (experiment.ttft_slo_ms, tpot_slo_ms) set are drawn on the latency figure."""
+    (experiment.ttft_slo_ms, tpot_slo_ms) set are drawn on the latency figure; `analytic` holds the
+    chapter's computed tables, shown after the measured ones."""
     from ablate.report.ablation import section as ablation_section
     from ablate.report.plots import draw
     from ablate.results import write_atomic
@@ -47,7 +51,7 @@ def write_report(run_dir: Path, summary: pd.DataFrame, point_keys: list[str], ti
     declared = declared or Declarations()
     figures = draw(summary, point_keys, run_dir, runs, declared, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms)
     ablation_text, ablation_figures = ablation_section(run_dir, runs)   # "" and {} unless an ablation
-    page = markdown(title, summary, point_keys, notes, figures, runs, declared)
+    page = markdown(title, summary, point_keys, notes, figures, runs, declared, analytic)
     write_atomic(run_dir / "report.md", page + ablation_text)
     return run_dir / "report.md", figures | ablation_figures
 
@@ -56,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     """python -m ablate.report <results path>: (re)write report.md and figures of each run below it."""
     import argparse
 
+    from ablate.book.chapter_tables import chapter_tables
     from ablate.report.compare import RunUnreadable, load_readable
     from ablate.results import runs_under
 
@@ -87,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         notes = [f"regenerated from {run_dir}", (run_dir / "done.json").read_text().strip()]
         report, _ = write_report(run_dir, res.summary, point_keys, exp.get("name", run_dir.parent.name), notes,
                                  res.runs, Declarations.load(run_dir), ttft_slo_ms=exp.get("ttft_slo_ms"),
-                                 tpot_slo_ms=exp.get("tpot_slo_ms"))
+                                 tpot_slo_ms=exp.get("tpot_slo_ms"),
+                                 analytic=chapter_tables(res.config, res.summary))
         print(report)
     if errors:
         raise SystemExit(f"{len(errors)} of {len(runs)} runs could not be reported: {errors[0]}"

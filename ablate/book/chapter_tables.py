@@ -1,0 +1,43 @@
+"""Analytic tables a chapter experiment prints beside what it measured.
+
+A chapter names functions here; each takes the run's resolved config (the dict stored as
+config.json) and its summary (one row per grid point and arm, or None before one exists) and
+returns {heading: table}. The report shows them after the measured tables, the run folder keeps
+each as analytic_<slug>.csv and W&B logs them, so `python -m ablate.report` can redraw them from
+the folder alone.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from importlib import import_module
+from typing import Any
+
+import pandas as pd
+
+TableMaker = Callable[[dict[str, Any], "pd.DataFrame | None"], dict[str, pd.DataFrame]]
+
+# chapter -> "module:function" (imported when the chapter's report is written)
+CHAPTER_TABLES: dict[str, list[str]] = {
+    "ch08": ["ablate.analysis.recompute:chapter_tables"],
+    "ch12": ["ablate.analysis.attention_io:chapter_tables"],
+}
+
+
+def _maker(path: str) -> TableMaker:
+    module, name = path.split(":")
+    return getattr(import_module(module), name)
+
+
+def chapter_tables(config: dict[str, Any], summary: pd.DataFrame | None = None) -> dict[str, pd.DataFrame]:
+    """{heading: table} for the run's chapter (experiment.chapter); {} for a chapter with none."""
+    chapter = (config.get("experiment") or {}).get("chapter") or ""
+    tables: dict[str, pd.DataFrame] = {}
+    for path in CHAPTER_TABLES.get(chapter, []):
+        tables |= _maker(path)(config, summary)
+    return tables
+
+
+def table_name(heading: str) -> str:
+    """The run folder's file stem for a table: analytic_<heading as a slug>."""
+    return "analytic_" + re.sub(r"[^a-z0-9]+", "_", heading.lower()).strip("_")

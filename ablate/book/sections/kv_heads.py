@@ -1,0 +1,94 @@
+"""7.7: K/V bytes grow with the number of K/V heads; MQA, GQA and MLA store fewer.
+
+    KV bytes per token = 2 L H_kv d_h e            (MLA: L (d_c + d_R) e: a latent and a rotary key)
+    MHA -> GQA with G groups: H / G times fewer;   MHA -> MQA: H times fewer
+    one K/V head's worth per layer = 2 d_h numbers, so MLA holds (d_c + d_R) / (2 d_h) heads' worth
+"""
+from __future__ import annotations
+
+from ablate.analysis.costs import model_costs
+from ablate.book.claims import DIFFERS, Claim, checked, computed, in_bytes, measured, not_run, number
+
+SECTION = "7.7"
+BOOK = "python -m ablate book section=7.7"
+CH07 = "python -m ablate +experiment=ch07_costs"
+CH13 = "python -m ablate +experiment=ch13_gqa_mla"
+
+
+def claims(evidence) -> list[Claim]:
+    gpt3 = model_costs({"preset": "gpt-3-175b"}, "fp16")
+    l70_book = model_costs({"preset": "llama-2-70b", "n_kv_heads": 64}, "fp16")
+    l70 = model_costs({"preset": "llama-2-70b"}, "fp16")
+    out = [
+        computed(SECTION, "kv-per-token-gpt3", "GPT-3 175B (96 layers, 96 K/V heads of 128) stores this many KV "
+                 "bytes per token in fp16", 4_718_592, "4,718,592 bytes", gpt3.kv_bytes_per_token,
+                 f"{gpt3.kv_bytes_per_token:,} bytes", 7, CH07),
+        in_bytes(SECTION, "kv-per-token-gpt3-mb", "... which is about 4.5 MB", 4.5, "MB", gpt3.kv_bytes_per_token, 2,
+                 BOOK),
+        checked(SECTION, "gpt3-above-llama70b", "GPT-3's KV per token exceeds LLaMA-2 70B's",
+                "larger than 2.5 MB", f"{gpt3.kv_bytes_per_token / l70_book.kv_bytes_per_token:.1f}x the book's "
+                f"64-head LLaMA-2 70B, {gpt3.kv_bytes_per_token / l70.kv_bytes_per_token:.1f}x the real 8-head one",
+                gpt3.kv_bytes_per_token > l70_book.kv_bytes_per_token, "", CH07),
+        _fraction("mqa-one-over-h", "MQA keeps one K/V pair for all H heads: 1/H of MHA's KV", gpt3, 1),
+        _mla_heads(),
+        _gqa_savings(),
+        _gqa_adopters(),
+        _capacity(evidence),
+    ]
+    return out
+
+
+def _fraction(key: str, claim: str, mha, kv_heads: int) -> Claim:
+    shared = model_costs({"preset": mha.cfg.name, "n_kv_heads": kv_heads}, "fp16")
+    ratio = shared.kv_bytes_per_token / mha.kv_bytes_per_token
+    return computed(SECTION, key, claim, 1 / mha.cfg.n_heads, f"1/H (GPT-3: 1/{mha.cfg.n_heads})", ratio,
+                    f"1/{mha.kv_bytes_per_token / shared.kv_bytes_per_token:g}", 6, CH07)
+
+
+def _mla_heads() -> Claim:
+    v2 = model_costs({"preset": "deepseek-v2"}, "fp16").cfg
+    per_layer = v2.kv_latent_dim + v2.rope_head_dim        # numbers cached per token and layer
+    heads = per_layer / (2 * v2.head_dim)
+    return Claim(SECTION, "mla-one-head", "MLA's cache is worth about one K/V head", "about 1 K/V head",
+                 f"{per_layer} numbers per layer = {heads:.2f} K/V heads of {v2.head_dim} "
+                 f"(1/{2 * v2.n_heads * v2.head_dim / per_layer:.0f} of its {v2.n_heads}-head MHA)", DIFFERS,
+                 f"DeepSeek-V2 caches a {v2.kv_latent_dim}-wide latent plus a {v2.rope_head_dim}-wide rotary key "
+                 f"per layer: {heads:.2f} heads' worth of K and V, not one", CH07)
+
+
+def _gqa_savings() -> Claim:
+    pairs = [("llama-2-70b", 64), ("llama-3-8b", 32), ("smollm2-135m", 9)]
+    ratios = {}
+    for name, heads in pairs:
+        mha = model_costs({"preset": name, "n_kv_heads": heads}, "fp16").kv_bytes_per_token
+        ratios[name] = mha / model_costs({"preset": name}, "fp16").kv_bytes_per_token
+    in_range = all(4 <= r <= 8 for n, r in ratios.items() if n != "smollm2-135m")
+    return checked(SECTION, "gqa-4-8x", "Going from MHA to GQA cuts KV bytes 4x to 8x", "4x - 8x",
+                   ", ".join(f"{n} {number(r)}x" for n, r in ratios.items()), in_range,
+                   "LLaMA-2 70B 64 -> 8 K/V heads, LLaMA-3 8B 32 -> 8; SmolLM2-135M's 9 -> 3 is 3x, below the range",
+                   CH07)
+
+
+def _gqa_adopters() -> Claim:
+    l3 = model_costs({"preset": "llama-3-8b"}, "fp16").cfg
+    return checked(SECTION, "gqa-adopters", "LLaMA-3 uses GQA", "LLaMA-3, Mistral use GQA",
+                   f"llama-3-8b: {l3.n_heads} query heads share {l3.n_kv_heads} K/V heads",
+                   l3.n_kv_heads < l3.n_heads, "Mistral 7B (32 query, 8 K/V heads) is not a preset here", CH07)
+
+
+def _capacity(evidence) -> Claim:
+    """The same memory admits more sequences with fewer K/V heads: ch13's budget, measured."""
+    key, claim, book = "gqa-more-requests", "The same KV memory holds 4x-8x more requests after MHA -> GQA", "4x - 8x"
+    run = evidence.run("ch13_gqa_mla")
+    if run is None:
+        return not_run(SECTION, key, claim, book, CH13, "the sequences one KV budget admits per variant")
+    column = "seqs_admitted_max"
+    admitted = {arm: run.arm(arm)[column] for arm in ("mha", "gqa", "mqa") if run.arm(arm) is not None}
+    kv = {arm: run.arm(arm)["kv_bytes_per_token"] for arm in admitted}
+    if "mha" not in admitted or "gqa" not in admitted:
+        return not_run(SECTION, key, claim, book, CH13, "the mha and gqa arms (the stored run has neither)")
+    ratio, kv_ratio = admitted["gqa"] / max(admitted["mha"], 1), kv["mha"] / kv["gqa"]
+    text = ", ".join(f"{a} {int(n)}" for a, n in admitted.items())
+    return measured(SECTION, key, claim, book, f"sequences admitted: {text} ({ratio:.1f}x for {kv_ratio:.0f}x "
+                    "fewer KV bytes)", ratio >= int(kv_ratio),
+                    f"SmolLM2's 9 -> 3 K/V heads under one budget; read from {run.label}", CH13)

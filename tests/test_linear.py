@@ -70,4 +70,9 @@ def test_the_faster_path_is_chosen_by_timing_once_and_recorded(faster, monkeypat
     torch.testing.assert_close(got, F.linear(x, layer.weight.detach(), layer.bias), atol=1e-5, rtol=1e-5)
     assert len(timed) == 2                                   # timed once, then remembered
     [(kind, path)] = linear.linear_paths().items()
-    assert path == faster and kind == f"80x48 float32 rows {torch.get_num_threads()} threads"
+    assert path == faster and kind == f"80x48 float32 2-16 rows {torch.get_num_threads()} threads"
+
+
+def test_row_classes_separate_decode_verify_and_prefill():
+    assert [linear.row_class(r) for r in (1, 2, 16, 17, 128, 129, 4096)] == [
+        "1", "2-16", "2-16", "17-128", "17-128", "129+", "129+"]

@@ -3,12 +3,17 @@
 A CPU product can go to MKL through `F.linear`, or to oneDNN on the weight reordered once into its
 blocked layout (what Inductor's CPU "freezing" does; here done eagerly, without compiling anything).
 Which is faster depends on the machine and the shape, so neither is fixed in the code: the first
-product of each (weight shape, dtype, one row or several, thread count) times both (median of 7
+product of each (weight shape, dtype, class of row count, thread count) times both (median of 7
 after warm-up) and keeps the faster for the process; `linear_paths()` lists the choices and every
 run records them (environment.json). Measured on SmolLM2's shapes, 2 cores: on an AVX2 EPYC oneDNN
 ran 2-128-token products about twice as fast as MKL (4 tokens 127 -> 51 ms for the 121 products of
 one forward) while MKL's matrix-vector path won at one token; on a Zen 5 EPYC oneDNN won at one
 token too (a decode step 30 -> 16.5 ms); on another AVX-512 EPYC MKL won at one token again.
+
+Row classes (ROW_CLASSES): 1 row (a decode step at batch 1), up to 16 (a verify pass of k drafts, a
+small decode batch), up to 128, and more (prefills). A pass of 2 rows must not inherit the path
+timed on a 256-row prefill: on one thread of a Zen 5 EPYC, MKL ran SmolLM2's 1728 x 576 product
+in the same 73 us as oneDNN at one row, but in 155 us against oneDNN's 76 us at two.
 
 One token (a decode step at batch 1) is a matrix-vector product, bound by reading W once. MKL's gemv
 streams W fastest when each input's row of W^T is contiguous: `input_major()` stores W as the
@@ -42,13 +47,24 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
 
 PACKABLE = _packable_dtypes()
 MKL, ONEDNN = "mkl", "onednn"
-_paths: dict[tuple, str] = {}    # (d_out, d_in, dtype, one row, threads) -> the faster path, timed once
+_paths: dict[tuple, str] = {}    # (d_out, d_in, dtype, row class, threads) -> the faster path, timed once
+ROW_CLASSES = (1, 16, 128)       # upper bounds: 1 row, 2-16, 17-128, more
+
+
+def row_class(rows: int) -> str:
+    """The class of a product's row count whose path is timed on its own: '1', '2-16', '17-128', '129+'."""
+    low = 1
+    for high in ROW_CLASSES:
+        if rows <= high:
+            return str(high) if low == high else f"{low}-{high}"
+        low = high + 1
+    return f"{low}+"
 
 
 def linear_paths() -> dict[str, str]:
-    """The paths chosen in this process, for the results: "d_out x d_in dtype rows threads" -> path."""
-    return {f"{o}x{i} {str(dtype).removeprefix('torch.')} {'1 row' if one_row else 'rows'} {threads} threads": path
-            for (o, i, dtype, one_row, threads), path in sorted(_paths.items(), key=str)}
+    """The paths chosen in this process, for the results: "d_out x d_in dtype R rows threads" -> path."""
+    return {f"{o}x{i} {str(dtype).removeprefix('torch.')} {rows} rows {threads} threads": path
+            for (o, i, dtype, rows, threads), path in sorted(_paths.items(), key=str)}
 
 
 def _median_seconds(fn, repeats: int = 7) -> float:
@@ -91,7 +107,7 @@ class Linear(nn.Linear):
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in PACKABLE or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
-        key = (*w.shape, w.dtype, x.numel() == x.shape[-1], torch.get_num_threads())
+        key = (*w.shape, w.dtype, row_class(x.numel() // x.shape[-1]), torch.get_num_threads())
         path = _paths.get(key)
         if path is None:       # the first product of its kind: time both paths here, keep the faster
             mkl = _median_seconds(lambda: F.linear(x, w, self.bias))

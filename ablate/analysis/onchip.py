@@ -136,7 +136,7 @@ class MeasuredBandwidth:
 def _copy_bandwidth(working_set: int, budget_s: float, repeats: int = 3) -> float:
     """2 x half the working set / seconds per copy: best of `repeats` timings of as many copies as
     fill budget_s / repeats (a small copy takes microseconds, near the clock's resolution)."""
-    src = torch.empty(working_set // 8, dtype=torch.float32).uniform_()    # 4-byte elements, half the set each
+    src = torch.empty(working_set // 8, dtype=torch.float32, device="cpu").uniform_()   # 4-byte elements, half the set each
     dst = torch.empty_like(src).fill_(1.0)                                 # touched: no lazily mapped pages
     start = time.perf_counter()
     dst.copy_(src)

@@ -44,8 +44,6 @@ NO_DEVICE_OK = {
         "its parameter on the device (the same weights on every device)",
     ("ablate/api/step.py", "device_tensor"):
         "host staging in pinned memory (pin_memory=True is CPU-only), copied to the device on the same line",
-    ("ablate/experiment/run.py", "_heldout"):
-        "host-side list: seeded ids from a CPU generator, .tolist() at once",
 }
 
 # step-path functions that make tensors on the CPU on purpose (the device check, which bites on a GPU)

@@ -21,6 +21,7 @@ TableMaker = Callable[[dict[str, Any], "pd.DataFrame | None"], dict[str, pd.Data
 CHAPTER_TABLES: dict[str, list[str]] = {
     "ch08": ["ablate.analysis.recompute:chapter_tables"],
     "ch12": ["ablate.analysis.attention_io:chapter_tables"],
+    "ch13": ["ablate.experiment.variant_quality:chapter_tables"],
 }
 
 

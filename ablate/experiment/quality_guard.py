@@ -8,6 +8,9 @@
                      variant, KV cache and attention all act on the scored text; once per arm and
                      grid point, after the timed rounds)
 
+Which weights are scored (`weights`): the timed ones, or the model's pretrained checkpoint converted
+by each arm's variant, for experiments timed on random weights (ablate.experiment.quality_weights).
+
 An arm lost quality when ppl_ratio > max_ppl_ratio or token_agreement < min_token_agreement: its
 status becomes "degraded", and its time ratio is reported with that cost, never as a speedup. A
 technique faster because its text degenerated (e.g. a conversion that makes the model repeat
@@ -24,6 +27,7 @@ from ablate.api.sequence import Sequence
 from ablate.measure.exactness import first_difference
 
 DEGRADED = "degraded"
+WEIGHTS = ("timed", "pretrained")
 
 
 @dataclass
@@ -33,8 +37,13 @@ class QualityConfig:
     context_tokens: int = 16          # ... after this many as one prompt step (they are not scored)
     max_ppl_ratio: float = 1.05       # above: the arm lost quality (5% more perplexity than the baseline)
     min_token_agreement: float = 0.5  # below: the arm's greedy text left the baseline's early
+    # timed: perplexity on the weights the arms are timed on; pretrained: on the model's pretrained
+    # checkpoint, converted by each arm's variant (for arms timed on random weights)
+    weights: str = "timed"
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"experiment.quality.weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if not 1 <= self.context_tokens < self.heldout_tokens:
             raise ValueError(f"experiment.quality: need 1 <= context_tokens < heldout_tokens, got "
                              f"context_tokens={self.context_tokens}, heldout_tokens={self.heldout_tokens}")

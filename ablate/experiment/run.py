@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 from tqdm import tqdm
 
 from ablate.analysis.stats import log_interval
@@ -39,8 +38,9 @@ from ablate.api.sequence import Sequence
 from ablate.engine.arm import Arm
 from ablate.engine.registry import Registry
 from ablate.experiment import quality_guard as quality
-from ablate.experiment.arm_run import ArmRun, arm_perplexity, expects_baseline_tokens, run_once, with_fixed_kv_budget
+from ablate.experiment.arm_run import ArmRun, expects_baseline_tokens, run_once, with_fixed_kv_budget
 from ablate.experiment.config import ExperimentConfig
+from ablate.experiment.quality_weights import ScoredWeights
 from ablate.experiment.summary import summarise_arms
 from ablate.measure.exactness import compare_greedy
 from ablate.measure.hardware import Peaks
@@ -105,6 +105,7 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
 
     arms = [with_fixed_kv_budget(a, kv_free_bytes, model_for) for a in arms]
     baseline = next(a for a in arms if a.name == baseline_name)
+    scored = ScoredWeights(exp.quality, model_for, model_loader)    # the weights the quality guard scores
 
     def tokenizer_for(model: LlamaModel, wl: WorkloadConfig):
         """The model's tokenizer, for workloads of text prompts (loaded once per checkpoint)."""
@@ -190,7 +191,7 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
                 if on_round is not None:
                     on_round(pd.DataFrame(rows), _concat(request_frames))
         if exp.quality.enabled:
-            _guard_quality(rows, point, wl, arms, baseline, model_for, tokenizer_for, engine_cfg, registry,
+            _guard_quality(rows, point, wl, arms, baseline, scored, tokenizer_for, engine_cfg, registry,
                            exp.quality, progress)
     bar.close()
     runs = pd.DataFrame(rows)
@@ -239,35 +240,28 @@ def _check_round(rows: dict[str, dict[str, Any]], seqs: dict[str, list[Sequence]
 
 
 def _guard_quality(rows: list[dict[str, Any]], point: dict[str, Any], wl: WorkloadConfig, arms: list[Arm],
-                   baseline: Arm, model_for, tokenizer_for, engine_cfg: EngineConfig, registry: Registry,
+                   baseline: Arm, scored: ScoredWeights, tokenizer_for, engine_cfg: EngineConfig, registry: Registry,
                    cfg: quality.QualityConfig, progress: Callable[[str], None]) -> None:
     """Perplexity ratio of each arm on held-out text, then the verdict on every round's row."""
     here = [r for r in rows if all(r.get(k) == v for k, v in point.items())]
     ok_arms = [a for a in arms if any(r["arm"] == a.name and r["status"] == "ok" for r in here)]
     if baseline not in ok_arms:
         return
-    tokens = _heldout(model_for(baseline), tokenizer_for(model_for(baseline), wl), cfg.heldout_tokens, wl.seed)
-    ppl = {a.name: arm_perplexity(a, model_for(a), tokens, cfg.context_tokens, engine_cfg, registry)
-           for a in [baseline] + [a for a in ok_arms if a is not baseline]}
+    ppl = scored.perplexities([baseline] + [a for a in ok_arms if a is not baseline], lambda m: tokenizer_for(m, wl),
+                              wl.seed, engine_cfg, registry)
+    if not ppl:
+        progress(f"{_point_label(point)} quality: no perplexity: {scored.unavailable}")
+        return
     for row in here:
         if row["arm"] not in ppl:
             continue
         row["perplexity"] = ppl[row["arm"]]
         row["ppl_ratio"] = ppl[row["arm"]] / ppl[baseline.name]
-        lost = quality.verdict(cfg, row["ppl_ratio"], row.get("token_agreement", math.nan))
+        lost = scored.verdict(row["ppl_ratio"], row.get("token_agreement", math.nan))
         if lost and row["status"] == "ok":
             row["status"], row["status_detail"] = quality.DEGRADED, lost
-    progress(f"{_point_label(point)} quality: perplexity of {len(tokens) - cfg.context_tokens} held-out tokens, "
-             + ", ".join(f"{arm} {value:.2f}" for arm, value in ppl.items()))
-
-
-def _heldout(model: LlamaModel, tokenizer, num_tokens: int, seed: int) -> list[int]:
-    """Held-out text for a real checkpoint (never used for prompts); seeded random ids otherwise."""
-    if tokenizer is not None:
-        from ablate.workload.text import heldout_tokens
-        return heldout_tokens(tokenizer, num_tokens)
-    generator = torch.Generator().manual_seed(10_000 + seed)
-    return torch.randint(model.config.vocab_size, (num_tokens,), generator=generator).tolist()
+    progress(f"{_point_label(point)} quality: perplexity of {cfg.heldout_tokens - cfg.context_tokens} held-out "
+             f"tokens on {scored.describe(baseline)}: " + ", ".join(f"{arm} {value:.2f}" for arm, value in ppl.items()))
 
 
 def _point_label(point: dict[str, Any]) -> str:

@@ -79,8 +79,9 @@ def test_measured_claims_read_the_latest_finished_run(tmp_path):
                                                          "finish_order": ["2 1 0 3", "2 3 1 0"]}),
                 {"model": {"name": "smollm2-135m", "dtype": "fp32", "init": "random"}})
     _stored_run(tmp_path, "ch13_gqa_mla", pd.DataFrame({
-        "arm": ["mha", "gqa", "mqa"], "seqs_admitted_max": [1, 5, 16],
-        "kv_bytes_per_token": [138240, 46080, 15360]}), {"model": {"name": "smollm2-135m"}})
+        "arm": ["mha", "gqa3", "mqa", "mla_r128", "mla_r64"], "seqs_admitted_max": [1, 5, 16, 9, 17],
+        "kv_bytes_per_token": [138240, 46080, 15360, 26880, 13440],
+        "ppl_ratio": [1.0, 1.0, 2114.2, 1.52, 15.1]}), {"model": {"name": "smollm2-135m"}})
     evidence = Evidence(tmp_path, measure=False)
     claims = claims_frame([*section_claims("7.4", evidence), *section_claims("7.7", evidence)]).set_index("key")
     order = claims.loc["textbook-finish-order"]
@@ -88,6 +89,8 @@ def test_measured_claims_read_the_latest_finished_run(tmp_path):
     assert str(tmp_path / "ch10_textbook") in order["reason"]
     admitted = claims.loc["gqa-more-requests"]
     assert admitted["verdict"] == MEASURED and admitted["holds"] == "yes" and "5.0x" in admitted["project"]
+    assert claims.loc["mqa-loses-quality", "holds"] == "yes"
+    assert claims.loc["mla-keeps-quality", "holds"] == "no"          # converted without training: it does not
 
 
 def test_a_static_order_that_does_not_hold_is_reported_so(tmp_path):

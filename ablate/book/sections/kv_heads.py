@@ -13,6 +13,8 @@ SECTION = "7.7"
 BOOK = "python -m ablate book section=7.7"
 CH07 = "python -m ablate +experiment=ch07_costs"
 CH13 = "python -m ablate +experiment=ch13_gqa_mla"
+SHIPPED = "gqa3"            # ch13's arm of SmolLM2 as shipped (3 K/V heads)
+LOST = 1.05                 # a perplexity ratio above this lost quality (the quality guard's default limit)
 
 
 def claims(evidence) -> list[Claim]:
@@ -34,6 +36,7 @@ def claims(evidence) -> list[Claim]:
         _gqa_savings(),
         _gqa_adopters(),
         _capacity(evidence),
+        *_quality(evidence),
     ]
     return out
 
@@ -83,12 +86,34 @@ def _capacity(evidence) -> Claim:
     if run is None:
         return not_run(SECTION, key, claim, book, CH13, "the sequences one KV budget admits per variant")
     column = "seqs_admitted_max"
-    admitted = {arm: run.arm(arm)[column] for arm in ("mha", "gqa", "mqa") if run.arm(arm) is not None}
+    admitted = {arm: run.arm(arm)[column] for arm in ("mha", SHIPPED, "mqa") if run.arm(arm) is not None}
     kv = {arm: run.arm(arm)["kv_bytes_per_token"] for arm in admitted}
-    if "mha" not in admitted or "gqa" not in admitted:
-        return not_run(SECTION, key, claim, book, CH13, "the mha and gqa arms (the stored run has neither)")
-    ratio, kv_ratio = admitted["gqa"] / max(admitted["mha"], 1), kv["mha"] / kv["gqa"]
+    if "mha" not in admitted or SHIPPED not in admitted:
+        return not_run(SECTION, key, claim, book, CH13, f"the mha and {SHIPPED} arms (the stored run lacks one)")
+    ratio, kv_ratio = admitted[SHIPPED] / max(admitted["mha"], 1), kv["mha"] / kv[SHIPPED]
     text = ", ".join(f"{a} {int(n)}" for a, n in admitted.items())
     return measured(SECTION, key, claim, book, f"sequences admitted: {text} ({ratio:.1f}x for {kv_ratio:.0f}x "
                     "fewer KV bytes)", ratio >= int(kv_ratio),
                     f"SmolLM2's 9 -> 3 K/V heads under one budget; read from {run.label}", CH13)
+
+
+def _quality(evidence) -> list[Claim]:
+    """MQA costs quality, MLA keeps it: perplexity of SmolLM2 converted to each (ch13, pretrained weights)."""
+    mqa = ("mqa-loses-quality", "MQA costs quality", "quality loss", ["mqa"], lambda r: r["mqa"] > LOST)
+    mla = ("mla-keeps-quality", "MLA compresses further while keeping quality", "quality kept",
+           ["mla_r128", "mla_r64"], lambda r: min(r.values()) <= LOST)
+    run = evidence.run("ch13_gqa_mla")
+    out = []
+    for key, claim, book, arms, holds in (mqa, mla):
+        rows = {a: run.arm(a) for a in arms} if run is not None and "ppl_ratio" in run.summary else {}
+        ratios = {a: float(r["ppl_ratio"]) for a, r in rows.items() if r is not None and r["ppl_ratio"] == r["ppl_ratio"]}
+        if len(ratios) < len(arms):
+            out.append(not_run(SECTION, key, claim, book, CH13, "perplexity of each KV variant of the pretrained "
+                               "SmolLM2 (experiment.quality.weights=pretrained)"))
+            continue
+        shown = ", ".join(f"{a}: perplexity x{r:,.2f}, {run.arm(a)['kv_bytes_per_token']:,.0f} KV bytes/token"
+                          for a, r in ratios.items())
+        out.append(measured(SECTION, key, claim, book, shown, bool(holds(ratios)),
+                            "converted from the trained GQA model without any training (mean-pooled heads; SVD); "
+                            f"the book's MLA is trained as such; read from {run.label}", CH13))
+    return out

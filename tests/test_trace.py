@@ -93,3 +93,13 @@ def test_the_textbook_case():
     assert [r.max_new_tokens for r in requests] == [*TEXTBOOK_OUTPUT_LENS, 80] == [500, 450, 100, 80]
     assert [r.arrival_time for r in requests] == [0.0, 0.0, 0.0, 0.5]
     assert all(len(r.prompt_token_ids) == 6 for r in requests)
+
+
+def test_the_textbook_case_scaled_down_keeps_the_proportions():
+    scaled = WorkloadConfig(arrival="textbook", prompt_len=6, output_len=20, textbook_scale=0.2)
+    assert [r.max_new_tokens for r in make_requests(scaled, vocab_size=100)] == [100, 90, 20, 20]
+    tiny = WorkloadConfig(arrival="textbook", output_len=1, textbook_scale=0.001)     # never below one token
+    assert [r.max_new_tokens for r in make_requests(tiny, vocab_size=100)] == [1, 1, 1, 1]
+    for bad in (0.0, -0.5, float("nan")):
+        with pytest.raises(ValueError, match=r"workload.textbook_scale must be a finite number > 0"):
+            WorkloadConfig(arrival="textbook", textbook_scale=bad)

@@ -18,6 +18,8 @@ ARRIVALS = ("burst", "poisson", "gamma", "trace", "textbook")
 # arrival=textbook: three requests with this many tokens still to generate, and a fourth that arrives
 # while they run. Static batching finishes them 3rd, 2nd, 1st, then the 4th; continuous batching lets
 # the 4th take the slot the 100-token request frees, so it finishes long before the 450- and 500-token ones.
+# workload.textbook_scale multiplies the three (rounded, at least 1 token): with output_len (the 4th's) and
+# textbook_arrival_s scaled alike, the same case in proportionally fewer steps, with the same finish orders.
 TEXTBOOK_OUTPUT_LENS = (500, 450, 100)
 PROMPT_SOURCES = ("random", "text")
 PROMPT_KINDS = ("open", "quote")
@@ -33,6 +35,7 @@ FLOAT_RANGES = {
     "temperature": (0.0, None, True, "0: greedy"),
     "top_p": (0.0, 1.0, False, "nucleus mass, 1: off"),
     "textbook_arrival_s": (0.0, None, True, "seconds after the start"),
+    "textbook_scale": (0.0, None, False, "x the textbook's 500, 450 and 100 tokens"),
 }
 
 
@@ -77,6 +80,7 @@ class WorkloadConfig:
     trace_path: str = ""           # arrival=trace: JSONL, one request a line (ablate/workload/trace.py); its arrival
                                    # times and lengths replace num_requests and the distributions above
     textbook_arrival_s: float = 0.01   # arrival=textbook: when the 4th request (output_len tokens) arrives, s
+    textbook_scale: float = 1.0    # arrival=textbook: the three first requests generate 500, 450, 100 x this
     source: str = "random"         # random: random token ids | text: real text (ablate.workload.text), tokenized
     prompt_kind: str = "open"      # text prompts: open (a passage to continue) | quote (asks to repeat a passage)
 
@@ -228,13 +232,19 @@ def trace_requests(cfg: WorkloadConfig, vocab_size: int, tokenizer: Tokenizer | 
 
 def textbook_requests(cfg: WorkloadConfig, vocab_size: int,
                       output_lens: tuple[int, ...] = TEXTBOOK_OUTPUT_LENS) -> list[Request]:
-    """The textbook case: requests 0, 1, 2 at t=0 with `output_lens` tokens to generate, and request 3
-    (cfg.output_len tokens) at cfg.textbook_arrival_s, while they run; prompts of cfg.prompt_len.
+    """The textbook case: requests 0, 1, 2 at t=0 with `output_lens` x cfg.textbook_scale tokens to
+    generate, and request 3 (cfg.output_len tokens) at cfg.textbook_arrival_s, while they run; prompts
+    of cfg.prompt_len.
 
     Run it with engine.max_num_seqs=3: the batch is full when the 4th arrives, so it waits either
     for the whole batch (static) or for the first free slot (continuous)."""
     rng = np.random.default_rng(cfg.seed)
-    lengths = list(output_lens) + [cfg.output_len]
+    lengths = textbook_lengths(output_lens, cfg.textbook_scale) + [cfg.output_len]
     arrivals = [0.0] * len(output_lens) + [cfg.textbook_arrival_s]
     return [_request(cfg, i, tuple(int(t) for t in rng.integers(0, vocab_size, cfg.prompt_len)), n, t)
             for i, (n, t) in enumerate(zip(lengths, arrivals))]
+
+
+def textbook_lengths(output_lens: tuple[int, ...], scale: float) -> list[int]:
+    """Each length x scale, rounded to the nearest token, at least 1: (500, 450, 100) x 0.2 = [100, 90, 20]."""
+    return [max(1, round(n * scale)) for n in output_lens]

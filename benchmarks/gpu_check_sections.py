@@ -217,7 +217,8 @@ def _speedups(summary) -> list[dict]:
 
 EXPERIMENTS = {   # name: (overrides on a GPU, on the dry run)
     "ch08_kv_cache": (["experiment.grid.output_len=[32,128]"], ["experiment.grid.output_len=[8]"]),
-    "ch12_flash": (["experiment.grid.prompt_len=[1024,4096,8192]"], ["experiment.grid.prompt_len=[64]"]),
+    "ch12_flash": (["experiment.grid.prompt_len=[1024,4096,8192]", "model.max_seq_len=8193",    # its full size
+                    "engine.max_num_batched_tokens=8192"], ["experiment.grid.prompt_len=[64]"]),
     "ablation": (["workload.num_requests=4"], ["workload.num_requests=2", "workload.output_len=4"]),
 }
 

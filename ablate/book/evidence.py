@@ -32,6 +32,14 @@ class StoredRun:
         model = self.config.get("model") or {}
         return f"{self.path} ({model.get('name', '?')}, {model.get('dtype', '?')}, {model.get('init', '?')} weights)"
 
+    def rows(self, arm: str) -> pd.DataFrame:
+        """The summary rows of one arm, one per grid point."""
+        return self.summary[self.summary["arm"] == arm]
+
+    def point(self, row: pd.Series) -> str:
+        """A summary row's grid point, e.g. 'rate=4.0'."""
+        return ", ".join(f"{k}={row[k]}" for k in (self.config.get("experiment") or {}).get("grid", {}))
+
     def arm(self, name: str, **point) -> pd.Series | None:
         """The summary row of one arm at a grid point (every grid key given), or None."""
         rows = self.summary[self.summary["arm"] == name]

@@ -51,7 +51,7 @@ def _measured_mfu(evidence, a100_ceilings: dict[int, float]) -> Claim:
     key, claim, book = "decode-mfu-low", "Measured decode MFU is low", "1% - 5%"
     analytic = ", ".join(f"batch {b} {m:.1%}" for b, m in a100_ceilings.items())
     run = evidence.run("ch08_kv_cache")
-    row = None if run is None else run.summary[run.summary["arm"] == "contiguous"]
+    row = None if run is None else run.rows("contiguous")
     if row is None or row.empty or row["mfu"].isna().all():
         return not_run(SECTION, key, claim, book, CH08, "decode MFU and MBU on this machine")
     mfu, mbu = float(row["mfu"].median()), float(row["mbu_decode"].median())
@@ -88,9 +88,9 @@ def _continuous_throughput(evidence) -> Claim:
     run = evidence.run("ch10_batching")
     if run is None:
         return not_run(SECTION, key, claim, book, CH10, "throughput per scheduler across request rates")
-    rows = run.summary[run.summary["arm"] == "continuous"]
+    rows = run.rows("continuous")
     best = rows.loc[rows["speedup"].idxmax()]
-    point = ", ".join(f"{k}={best[k]}" for k in (run.config.get("experiment") or {}).get("grid", {}))
+    point = run.point(best)
     return measured(SECTION, key, claim, "(no figure)", f"{best['speedup']:.2f}x static's time "
                     f"[{best['speedup_ci_low']:.2f}, {best['speedup_ci_high']:.2f}] at {point}",
                     best["speedup_ci_low"] > 1, f"the status is {best['status']}; read from {run.label}", CH10)

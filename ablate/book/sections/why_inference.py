@@ -61,13 +61,12 @@ def _ttft(evidence) -> Claim:
     run = evidence.run("ch10_batching")
     if run is None:
         return not_run(SECTION, key, claim, book, CH10, "TTFT per scheduler and request rate, with a TTFT SLO")
-    rows = run.summary[run.summary["arm"] == "continuous"]
+    rows = run.rows("continuous")
     if rows.empty:
         return not_run(SECTION, key, claim, book, CH10, "the continuous arm (the stored run has none)")
-    grid = list((run.config.get("experiment") or {}).get("grid", {}))
     parts, held = [], True
     for _, row in rows.iterrows():
-        point = ", ".join(f"{k} {row[k]}" for k in grid)
+        point = run.point(row)
         attained = f", {row['ttft_slo_attained']:.0%} within the SLO" if "ttft_slo_attained" in row else ""
         parts.append(f"{point}: p50 {row['ttft_p50_ms']:.0f} ms{attained}")
         held &= row["ttft_p50_ms"] <= TTFT_BOUND_MS
@@ -80,7 +79,7 @@ def _bandwidth_bound_here(evidence) -> Claim:
     key, claim = "decode-bandwidth-bound", "Decode reads every weight and the K/V for each token: bandwidth-bound"
     book = "memory-bound, little compute"
     run = evidence.run("ch08_kv_cache")
-    rows = None if run is None else run.summary[run.summary["arm"] == "contiguous"]
+    rows = None if run is None else run.rows("contiguous")
     if rows is None or rows.empty or rows["mbu_decode"].isna().all():
         return not_run(SECTION, key, claim, book, CH08, "decode MBU (bandwidth used) against MFU on this machine")
     mbu, mfu = float(rows["mbu_decode"].median()), float(rows["mfu"].median())

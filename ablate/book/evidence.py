@@ -6,7 +6,6 @@ read and the command that measures it again. Without a finished run the claim sa
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -51,6 +50,8 @@ class StoredRun:
 class Evidence:
     """Lazily gathered figures for the measured claims; `measure=False` makes no measurement."""
 
+    VERIFY_MODEL, VERIFY_CONTEXT, VERIFY_KS, VERIFY_ROUNDS = "smollm2-135m", 256, (1, 2, 4, 8, 16), 3
+
     def __init__(self, runs_dir: str | Path, measure: bool, device: torch.device | None = None) -> None:
         self.runs_dir = Path(runs_dir)
         self.measure = measure
@@ -74,7 +75,6 @@ class Evidence:
         except hardware.PeaksUnavailable:
             return None
 
-
     @cached_property
     def onchip(self):
         """Copy bandwidth of a cache-resident buffer and of one in DRAM (ablate.analysis.onchip), or None."""
@@ -82,8 +82,6 @@ class Evidence:
             return None
         from ablate.analysis.onchip import measure_this_machine
         return measure_this_machine()
-
-    VERIFY_MODEL, VERIFY_CONTEXT, VERIFY_KS = "smollm2-135m", 256, (1, 2, 4, 8, 16)
 
     @cached_property
     def verify(self) -> pd.DataFrame | None:
@@ -95,17 +93,17 @@ class Evidence:
         from ablate.model.config import preset
         from ablate.model.llama import LlamaModel
         model = LlamaModel.random(preset(self.VERIFY_MODEL, dtype="fp32", init="random"), self.device)
-        return verify_cost(model, context=self.VERIFY_CONTEXT, ks=self.VERIFY_KS, rounds=3, passes_per_round=2,
+        return verify_cost(model, context=self.VERIFY_CONTEXT, ks=self.VERIFY_KS, rounds=self.VERIFY_ROUNDS, passes_per_round=2,
                            peaks=self.peaks)
 
     @property
     def verify_label(self) -> str:
         return (f"measured now: {self.VERIFY_MODEL} (random weights, fp32) after {self.VERIFY_CONTEXT} tokens, "
-                f"3 rounds, on {self.device.type}")
+                f"{self.VERIFY_ROUNDS} rounds, on {self.device.type}")
 
 
 def _latest(folder: Path) -> StoredRun | None:
-    finished = [p for p in runs_under(folder) if _status(p) == "done"] if folder.is_dir() else []
+    finished = runs_under(folder) if folder.is_dir() else []      # done.json is written only by a finished run
     for path in sorted(finished, key=lambda p: (p / DONE).stat().st_mtime, reverse=True):
         try:
             res = load(path)
@@ -115,9 +113,3 @@ def _latest(folder: Path) -> StoredRun | None:
             return StoredRun(path, res.config, res.summary, res.requests)
     return None
 
-
-def _status(path: Path) -> str:
-    try:
-        return json.loads((path / DONE).read_text()).get("status", "")
-    except (OSError, ValueError):
-        return ""

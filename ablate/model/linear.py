@@ -28,6 +28,7 @@ costs a second copy of each weight in memory; GPU tensors, dtypes oneDNN cannot 
 """
 from __future__ import annotations
 
+import bisect
 import os
 import statistics
 import time
@@ -51,19 +52,24 @@ _paths: dict[tuple, str] = {}    # (d_out, d_in, dtype, row class, threads) -> t
 ROW_CLASSES = (1, 16, 128)       # upper bounds: 1 row, 2-16, 17-128, more
 
 
-def row_class(rows: int) -> str:
-    """The class of a product's row count whose path is timed on its own: '1', '2-16', '17-128', '129+'."""
-    low = 1
-    for high in ROW_CLASSES:
-        if rows <= high:
-            return str(high) if low == high else f"{low}-{high}"
-        low = high + 1
-    return f"{low}+"
+def row_class(rows: int) -> int:
+    """The class of a product's row count whose path is timed on its own: an index into ROW_CLASSES
+    (one past its end for more rows). A bisection: this runs for every product of every step."""
+    return bisect.bisect_left(ROW_CLASSES, rows)
+
+
+def row_class_name(index: int) -> str:
+    """'1', '2-16', '17-128', '129+'."""
+    low = 1 if index == 0 else ROW_CLASSES[index - 1] + 1
+    if index == len(ROW_CLASSES):
+        return f"{low}+"
+    high = ROW_CLASSES[index]
+    return str(high) if low == high else f"{low}-{high}"
 
 
 def linear_paths() -> dict[str, str]:
     """The paths chosen in this process, for the results: "d_out x d_in dtype R rows threads" -> path."""
-    return {f"{o}x{i} {str(dtype).removeprefix('torch.')} {rows} rows {threads} threads": path
+    return {f"{o}x{i} {str(dtype).removeprefix('torch.')} {row_class_name(rows)} rows {threads} threads": path
             for (o, i, dtype, rows, threads), path in sorted(_paths.items(), key=str)}
 
 

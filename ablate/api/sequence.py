@@ -45,11 +45,20 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: tuple[int, ...] = ()
-    arrival_time: float = 0.0    # seconds after the workload starts
+    arrival_time: float = 0.0    # seconds after the workload starts; with `follows`: after that request finishes
+    # closed loop (a user who waits for each reply): the id of the request that must finish before
+    # this one is sent; its arrival_time is then the think time after that finish, and the engine
+    # records the moment it was sent as its arrival (ablate.workload.arrivals.ArrivalQueue)
+    follows: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: the prompt is empty")
+        follows = self.follows
+        if follows is not None and (isinstance(follows, bool) or not isinstance(follows, numbers.Integral)
+                                    or follows == self.request_id):
+            raise ValueError(f"request {self.request_id}: follows must be the id of another request (or None), "
+                             f"got {self.follows!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"request {self.request_id}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (math.isfinite(self.arrival_time) and self.arrival_time >= 0):

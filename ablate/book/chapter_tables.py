@@ -1,10 +1,11 @@
 """Analytic tables a chapter experiment prints beside what it measured.
 
-A chapter names functions here; each takes the run's resolved config (the dict stored as
-config.json) and its summary (one row per grid point and arm, or None before one exists) and
-returns {heading: table}. The report shows them after the measured tables, the run folder keeps
-each as analytic_<slug>.csv and W&B logs them, so `python -m ablate.report` can redraw them from
-the folder alone.
+A chapter names functions here (and any experiment gets those of EVERY_EXPERIMENT, which return
+{} unless its config calls for them: the goodput knee of a rate sweep under a TTFT SLO); each
+takes the run's resolved config (the dict stored as config.json) and its summary (one row per grid
+point and arm, or None before one exists) and returns {heading: table}. The report shows them
+after the measured tables, the run folder keeps each as analytic_<slug>.csv and W&B logs them, so
+`python -m ablate.report` can redraw them from the folder alone.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ CHAPTER_TABLES: dict[str, list[str]] = {
     "ch12": ["ablate.analysis.attention_io:chapter_tables"],
     "ch13": ["ablate.experiment.variant_quality:chapter_tables"],
 }
+# for every experiment, whatever its chapter: each returns {} for a run it has nothing to say about
+EVERY_EXPERIMENT: list[str] = ["ablate.analysis.knee:report_tables"]
 
 
 def _maker(path: str) -> TableMaker:
@@ -31,10 +34,11 @@ def _maker(path: str) -> TableMaker:
 
 
 def chapter_tables(config: dict[str, Any], summary: pd.DataFrame | None = None) -> dict[str, pd.DataFrame]:
-    """{heading: table} for the run's chapter (experiment.chapter); {} for a chapter with none."""
+    """{heading: table} for the run's chapter (experiment.chapter) and those every experiment gets
+    when its config calls for them; {} when none applies."""
     chapter = (config.get("experiment") or {}).get("chapter") or ""
     tables: dict[str, pd.DataFrame] = {}
-    for path in CHAPTER_TABLES.get(chapter, []):
+    for path in [*CHAPTER_TABLES.get(chapter, []), *EVERY_EXPERIMENT]:
         tables |= _maker(path)(config, summary)
     return tables
 

@@ -20,6 +20,7 @@ from ablate.api.step import Batch
 from ablate.engine.runner import ModelRunner
 from ablate.measure import device as dev
 from ablate.measure.recorder import StepHook
+from ablate.workload.arrivals import ArrivalQueue
 
 MAX_IDLE_WAIT_S = 3600.0    # an arrival further away than this is a malformed workload, not a wait
 
@@ -122,46 +123,59 @@ class Engine:
 
     # -- a whole workload --------------------------------------------------------------------------
     def run(self, requests: Seq[Request]) -> list[Sequence]:
-        """Serve the requests, each arriving at its arrival_time after the start (real time).
+        """Serve the requests, each arriving at its arrival_time after the start (real time), or,
+        one that follows another (Request.follows), its arrival_time after that one finishes: its
+        arrival is recorded as that moment, so that its TTFT and E2E count from when it was sent.
 
         Returns every sequence, in request order, all finished; raises PluginError when a plugin
         lost a request, stalled, or kept room after the run.
         """
-        pending = sorted(requests, key=lambda r: r.arrival_time)
-        self._check_gaps(pending)
+        queue = ArrivalQueue(requests)
+        self._check_gaps(sorted(requests, key=lambda r: r.arrival_time))
         self.seqs = {}
         t0 = dev.now(self.device)
-        steps_without_output, patience = 0, self._patience(requests)
-        while pending or self.scheduler.has_unfinished():
-            elapsed = time.perf_counter() - t0
-            while pending and pending[0].arrival_time <= elapsed:
-                seq = Sequence(pending.pop(0))
-                self.seqs[seq.seq_id] = seq
-                with blame(self.scheduler, "add"):
-                    self.scheduler.add(seq)
-                for hook in self.hooks:
-                    hook.on_arrival(seq, t0 + seq.request.arrival_time)
-            with blame(self.scheduler, "next_batch"):
-                batch = self.scheduler.next_batch()
-            if batch is not None:
-                kept = self.step(batch)
-                steps_without_output = 0 if kept else steps_without_output + 1
-                if steps_without_output > patience:
-                    raise PluginError(self.scheduler, "next_batch", f"{patience} steps in a row emitted no token: "
-                                      "sequences are preempted or fed forever without progress")
-            elif pending:     # idle until the next request arrives
-                # bounded by MAX_IDLE_WAIT_S: _check_gaps refused longer gaps before the run
-                time.sleep(max(0.0, pending[0].arrival_time - (time.perf_counter() - t0)))
-            else:
-                raise self._stalled([s for s in self.seqs.values() if not s.is_finished])
+        release = _ReleaseFollowers(queue, t0)    # a finish (timed at its step's end) makes its followers due
+        self.hooks.append(release)
+        try:
+            steps_without_output, patience = 0, self._patience(requests)
+            while not queue.empty or self.scheduler.has_unfinished():
+                for arrival_s, request in queue.due(time.perf_counter() - t0):
+                    seq = Sequence(request)
+                    self.seqs[seq.seq_id] = seq
+                    with blame(self.scheduler, "add"):
+                        self.scheduler.add(seq)
+                    for hook in self.hooks:
+                        hook.on_arrival(seq, t0 + arrival_s)
+                with blame(self.scheduler, "next_batch"):
+                    batch = self.scheduler.next_batch()
+                if batch is not None:
+                    kept = self.step(batch)
+                    steps_without_output = 0 if kept else steps_without_output + 1
+                    if steps_without_output > patience:
+                        raise PluginError(self.scheduler, "next_batch", f"{patience} steps in a row emitted no "
+                                          "token: sequences are preempted or fed forever without progress")
+                elif (next_s := queue.next_time()) is not None:     # idle until the next request arrives
+                    # bounded by MAX_IDLE_WAIT_S: _check_gaps refused longer gaps before the run
+                    time.sleep(max(0.0, next_s - (time.perf_counter() - t0)))
+                else:     # nothing runs, nothing is due: the rest wait on sequences that make no progress
+                    raise self._stalled([s for s in self.seqs.values() if not s.is_finished])
+        finally:
+            self.hooks.remove(release)
         self._check_after_run()
         return sorted(self.seqs.values(), key=lambda s: s.seq_id)
 
     @staticmethod
     def _check_gaps(pending: list[Request]) -> None:
-        """No wait for an arrival may exceed MAX_IDLE_WAIT_S: refuse such a workload before it starts."""
+        """No wait for an arrival may exceed MAX_IDLE_WAIT_S: refuse such a workload before it starts.
+        Gaps are between timed arrivals; a request that follows another waits its own think time."""
         previous = 0.0
         for request in pending:
+            if request.follows is not None:
+                if request.arrival_time > MAX_IDLE_WAIT_S:
+                    raise ValueError(f"request {request.request_id} waits {request.arrival_time:.0f} s after request "
+                                     f"{request.follows} finishes (more than {MAX_IDLE_WAIT_S:.0f} s of idling): "
+                                     "check workload.think_time_s")
+                continue
             if request.arrival_time - previous > MAX_IDLE_WAIT_S:
                 raise ValueError(
                     f"request {request.request_id} arrives at {request.arrival_time:.0f} s, "
@@ -222,3 +236,14 @@ class Engine:
         if cache.bytes_used():
             raise PluginError(cache, "bytes_used", f"reports {cache.bytes_used()} bytes used after every sequence "
                               "was released")
+
+
+class _ReleaseFollowers(StepHook):
+    """Tells the arrival queue when a sequence finished (the end of its last step, as the other hooks
+    see it), so that the requests following it become due from that moment."""
+
+    def __init__(self, queue: ArrivalQueue, t0: float) -> None:
+        self.queue, self.t0 = queue, t0
+
+    def on_finish(self, seq: Sequence, at: float) -> None:
+        self.queue.finished(seq.seq_id, at - self.t0)

@@ -45,6 +45,9 @@ class ExperimentConfig:
     recorder: bool = True                 # False: time the runs with no hooks at all
     ttft_slo_ms: float | None = None      # goodput: requests meeting every SLO given
     tpot_slo_ms: float | None = None
+    # a sweep over workload.rate with ttft_slo_ms: the knee is the highest rate whose TTFT-SLO
+    # attainment (median over rounds) stays >= this fraction (ablate/analysis/knee.py)
+    knee_target: float = 0.9
     # CPU: count tensor bytes during each run (ablate.measure.memory), so that peak memory includes
     # activations and attention's scores, not only weights + KV; every op then runs slower
     track_memory: bool = False
@@ -80,6 +83,10 @@ class ExperimentConfig:
             value = getattr(self, slo)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"experiment.{slo} must be a positive number of milliseconds, got {value}")
+        if isinstance(self.knee_target, bool) or not (isinstance(self.knee_target, (int, float))
+                                                      and 0 < self.knee_target <= 1):   # NaN fails too
+            raise ValueError(f"experiment.knee_target must be a fraction in (0, 1] (0.9: 90% of requests meet the "
+                             f"TTFT SLO), got {self.knee_target!r}")
         for key, values in self.grid.items():
             if key not in WorkloadConfig.__dataclass_fields__:
                 raise ValueError(f"experiment.grid: {key!r} is not a workload field; fields are "

@@ -14,19 +14,20 @@ if TYPE_CHECKING:
     from ablate.checkpoints.tokenizer import Tokenizer
 
 LENGTH_DISTS = ("fixed", "uniform", "exponential", "lognormal")
-ARRIVALS = ("burst", "poisson", "gamma", "trace", "textbook")
+ARRIVALS = ("burst", "poisson", "gamma", "trace", "textbook", "closed")
 # arrival=textbook: three requests with this many tokens still to generate, and a fourth that arrives
 # while they run. Static batching finishes them 3rd, 2nd, 1st, then the 4th; continuous batching lets
 # the 4th take the slot the 100-token request frees, so it finishes long before the 450- and 500-token ones.
 # workload.textbook_scale multiplies the three (rounded, at least 1 token): with output_len (the 4th's) and
 # textbook_arrival_s scaled alike, the same case in proportionally fewer steps, with the same finish orders.
 TEXTBOOK_OUTPUT_LENS = (500, 450, 100)
-PROMPT_SOURCES = ("random", "text")
+PROMPT_SOURCES = ("random", "text", "dataset")
+TOKENIZED_SOURCES = ("text", "dataset")     # sources whose prompts are text, encoded by the model's tokenizer
 PROMPT_KINDS = ("open", "quote")
 MAX_SEED = 2**32 - 1
 # int fields -> their minimum
 INT_MINIMUMS = {"num_requests": 1, "prompt_len": 1, "prompt_spread": 0, "output_len": 1, "output_spread": 0,
-                "output_len_max": 0, "seed": 0}
+                "output_len_max": 0, "seed": 0, "concurrency": 1}
 # float fields -> (lowest, highest, lowest allowed?, what the number means)
 FLOAT_RANGES = {
     "output_sigma": (0.0, None, True, "sigma of log(output length)"),
@@ -36,6 +37,7 @@ FLOAT_RANGES = {
     "top_p": (0.0, 1.0, False, "nucleus mass, 1: off"),
     "textbook_arrival_s": (0.0, None, True, "seconds after the start"),
     "textbook_scale": (0.0, None, False, "x the textbook's 500, 450 and 100 tokens"),
+    "think_time_s": (0.0, None, True, "seconds a closed-loop user waits between a reply and its next request"),
 }
 
 
@@ -71,7 +73,8 @@ class WorkloadConfig:
     output_sigma: float = 1.0      # lognormal: sigma of log(length)
     output_len_max: int = 0        # cap on sampled output lengths; 0: 4 x output_len
     arrival: str = "burst"         # burst (all at t=0) | poisson (rate/s) | gamma (rate/s, burstiness) |
-                                   # trace (replay trace_path) | textbook (TEXTBOOK_OUTPUT_LENS + a late 4th)
+                                   # trace (replay trace_path) | textbook (TEXTBOOK_OUTPUT_LENS + a late 4th) |
+                                   # closed (concurrency users, each sending its next request when its last finishes)
     rate: float = 1.0              # requests per second for poisson and gamma
     burstiness: float = 1.0        # gamma shape = 1/burstiness: >1 burstier than Poisson
     temperature: float = 0.0       # 0: greedy
@@ -81,7 +84,13 @@ class WorkloadConfig:
                                    # times and lengths replace num_requests and the distributions above
     textbook_arrival_s: float = 0.01   # arrival=textbook: when the 4th request (output_len tokens) arrives, s
     textbook_scale: float = 1.0    # arrival=textbook: the three first requests generate 500, 450, 100 x this
-    source: str = "random"         # random: random token ids | text: real text (ablate.workload.text), tokenized
+    concurrency: int = 1           # arrival=closed: users; request i is user (i % concurrency)'s
+    think_time_s: float = 0.0      # arrival=closed: a user's pause between a reply and its next request, s
+    source: str = "random"         # random: random token ids | text: real text (ablate.workload.text), tokenized |
+                                   # dataset: the user's prompts and reply lengths (ablate/workload/dataset.py)
+    dataset_path: str = ""         # source=dataset: ShareGPT JSON / JSONL, or JSONL of {"prompt", "output_len"}
+    count_tokenizer: str = ""      # source=dataset: a tokenizer.json that counts the reference replies' tokens;
+                                   # "": the model's tokenizer
     prompt_kind: str = "open"      # text prompts: open (a passage to continue) | quote (asks to repeat a passage)
 
     def __post_init__(self) -> None:
@@ -107,8 +116,22 @@ class WorkloadConfig:
             raise ValueError("workload.output_spread must be smaller than workload.output_len")
         if self.source not in PROMPT_SOURCES:
             raise ValueError(f"workload.source must be one of {PROMPT_SOURCES}, got {self.source!r}")
+        if self.source == "dataset" and not self.dataset_path:
+            raise ValueError("workload.source=dataset needs workload.dataset_path (a ShareGPT JSON/JSONL file or a "
+                             "JSONL file of prompts)")
+        for name in ("dataset_path", "count_tokenizer"):
+            if getattr(self, name) and self.source != "dataset":
+                raise ValueError(f"workload.{name} is only read with workload.source=dataset, not {self.source!r}")
+        if self.arrival != "closed" and (self.concurrency != 1 or self.think_time_s != 0):
+            raise ValueError(f"workload.concurrency and workload.think_time_s are only read with "
+                             f"workload.arrival=closed, not {self.arrival!r}")
         if self.prompt_kind not in PROMPT_KINDS:
             raise ValueError(f"workload.prompt_kind must be one of {PROMPT_KINDS}, got {self.prompt_kind!r}")
+
+    @property
+    def needs_tokenizer(self) -> bool:
+        """Its prompts are text that the model's tokenizer encodes (source=text or dataset)."""
+        return self.source in TOKENIZED_SOURCES
 
     @property
     def max_output_len(self) -> int:
@@ -137,9 +160,13 @@ def _output_lengths(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray
 
 
 def _arrival_times(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
+    """Seconds after the start; arrival=closed: a user's first request at 0, and for each later one
+    the think time after its previous request finishes (Request.follows)."""
     n = cfg.num_requests
     if cfg.arrival == "burst":
         return np.zeros(n)
+    if cfg.arrival == "closed":
+        return np.where(np.arange(n) < cfg.concurrency, 0.0, cfg.think_time_s)
     if cfg.arrival == "poisson":
         gaps = rng.exponential(1.0 / cfg.rate, n)
     else:   # gamma gaps with mean 1/rate and coefficient of variation sqrt(burstiness)
@@ -149,13 +176,21 @@ def _arrival_times(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
     return np.cumsum(gaps)
 
 
+def _follows(cfg: WorkloadConfig, i: int) -> int | None:
+    """arrival=closed: users take requests round-robin, so request i waits for i - concurrency (its
+    user's previous request) to finish; None for timed arrivals."""
+    return i - cfg.concurrency if cfg.arrival == "closed" and i >= cfg.concurrency else None
+
+
 def make_requests(cfg: WorkloadConfig, vocab_size: int, tokenizer: Tokenizer | None = None,
                   max_seq_len: int | None = None) -> list[Request]:
     """Seeded requests: lengths and arrivals from the config; random prompt tokens, or with
     source=text prompts cut from real text by `tokenizer` (about prompt_len tokens each).
     arrival=trace replays a trace file (text prompts in it are encoded by `tokenizer`);
-    arrival=textbook gives the textbook's four requests. A request longer than `max_seq_len` (the
-    model's context) is refused before its tokens are drawn, naming the option or the trace line."""
+    arrival=textbook gives the textbook's four requests; source=dataset takes prompts and output
+    lengths from workload.dataset_path (ablate.workload.dataset). A request longer than `max_seq_len`
+    (the model's context) is refused before its tokens are drawn, naming the option or the trace
+    line (a dataset's records that do not fit are skipped instead, as vLLM's ShareGPT sampler does)."""
     if cfg.arrival in ("trace", "textbook"):
         if cfg.source != "random":
             raise ValueError(f"workload.source={cfg.source} draws prompts for synthetic arrivals; with "
@@ -163,6 +198,12 @@ def make_requests(cfg: WorkloadConfig, vocab_size: int, tokenizer: Tokenizer | N
         if cfg.arrival == "trace":
             return trace_requests(cfg, vocab_size, tokenizer, max_seq_len)
         return textbook_requests(cfg, vocab_size)
+    if cfg.source == "dataset":
+        from ablate.workload.dataset import dataset_prompts
+
+        prompts = dataset_prompts(cfg, tokenizer, vocab_size, max_seq_len).requests
+        arrivals = _arrival_times(cfg, np.random.default_rng(cfg.seed))
+        return [_request(cfg, i, prompt, n, float(arrivals[i])) for i, (prompt, n) in enumerate(prompts)]
     rng = np.random.default_rng(cfg.seed)
     if cfg.prompt_dist == "fixed":
         prompt_lens = np.full(cfg.num_requests, cfg.prompt_len)
@@ -182,8 +223,7 @@ def make_requests(cfg: WorkloadConfig, vocab_size: int, tokenizer: Tokenizer | N
             prompt = tuple(text_prompts[i])
         else:
             prompt = tuple(int(t) for t in rng.integers(0, vocab_size, int(prompt_lens[i])))
-        sampling = SamplingParams(cfg.temperature, cfg.top_p, seed=cfg.seed * 100_003 + i)
-        requests.append(Request(i, prompt, int(output_lens[i]), sampling, arrival_time=float(arrivals[i])))
+        requests.append(_request(cfg, i, prompt, int(output_lens[i]), float(arrivals[i])))
     return requests
 
 
@@ -200,7 +240,7 @@ def _text_prompts(cfg: WorkloadConfig, prompt_lens: np.ndarray, tokenizer: Token
 
 def _request(cfg: WorkloadConfig, i: int, prompt: tuple[int, ...], output_len: int, arrival: float) -> Request:
     sampling = SamplingParams(cfg.temperature, cfg.top_p, seed=cfg.seed * 100_003 + i)
-    return Request(i, prompt, output_len, sampling, arrival_time=arrival)
+    return Request(i, prompt, output_len, sampling, arrival_time=arrival, follows=_follows(cfg, i))
 
 
 def trace_requests(cfg: WorkloadConfig, vocab_size: int, tokenizer: Tokenizer | None = None,

@@ -13,6 +13,8 @@ from ablate.engine.engine import Engine
 from ablate.engine.registry import Registry
 from ablate.engine.runner import ModelRunner
 from ablate.engine.session import ModelRunSession
+from ablate.engines.contract import OutsideEngine
+from ablate.engines.registry import OWN_ENGINE, load_engine
 from ablate.model.llama import LlamaModel
 
 BASELINE = {Slot.MODEL: "none", Slot.KV_CACHE: "none", Slot.ATTENTION: "naive",
@@ -46,20 +48,29 @@ class ArmSpec:
     plugins: dict[Slot, dict[str, Any]] = field(default_factory=dict)   # slot -> {name: ..., option: value}
     model: dict[str, Any] = field(default_factory=dict)                 # e.g. {"n_kv_heads": 1}
     engine: dict[str, Any] = field(default_factory=dict)                # e.g. {"graphs": True}
+    outside: dict[str, Any] | None = None                               # e.g. {"name": "hf", "cache": "static"}
 
     @classmethod
     def parse(cls, where: str, raw: dict[str, Any] | None) -> ArmSpec:
         """{slot: plugin | {name: plugin, option: value}, model: {field: value}, engine: {option: value}}
-        -> ArmSpec."""
+        -> ArmSpec; or an outside engine's arm: {engine: name | {name: name, option: value}}."""
         raw = dict(raw or {})
         model = raw.pop(MODEL_KEY, None) or {}
         if not isinstance(model, dict):
             raise ValueError(f"{where}.{MODEL_KEY} must map model fields to values, got {model!r}")
         engine = raw.pop(ENGINE_KEY, None) or {}
+        engine = {"name": engine} if isinstance(engine, str) else engine
+        if isinstance(engine, dict) and engine.get("name", OWN_ENGINE) != OWN_ENGINE:
+            if raw or model:
+                raise ValueError(f"{where} runs engine={engine['name']}, which sets no ablate slot or model field "
+                                 f"(got {', '.join(sorted([*raw, *([MODEL_KEY] if model else [])]))}): an outside "
+                                 "engine runs the experiment's model its own way")
+            return cls(outside=dict(engine))
+        engine = {k: v for k, v in engine.items() if k != "name"} if isinstance(engine, dict) else engine
         options = set(ARM_ENGINE_OPTIONS)
         if not isinstance(engine, dict) or set(engine) - options:
             raise ValueError(f"{where}.{ENGINE_KEY} must map engine options ({', '.join(sorted(options))}) to "
-                             f"values, got {engine!r}")
+                             f"values, or name an outside engine ({ENGINE_KEY}: {{name: hf}}), got {engine!r}")
         valid = {s.value for s in Slot}
         unknown = sorted(set(raw) - valid)
         if unknown:
@@ -80,10 +91,16 @@ class Arm:
     plugins: dict[Slot, PluginConfig]
     model_overrides: dict[str, Any] = field(default_factory=dict)   # e.g. {"n_kv_heads": 1}
     engine_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {"graphs": True}
+    # an outside engine's arm (ablate.engines): its class and resolved options; its plugins are unused
+    outside: tuple[type[OutsideEngine], dict[str, Any]] | None = None
 
     def label(self) -> str:
         """`kv_cache=contiguous attention=naive ...`: the plugins and engine options that differ from
-        the baseline."""
+        the baseline; `engine=hf cache=static` for an outside engine (its options that differ from their defaults)."""
+        if self.outside is not None:
+            cls, options = self.outside
+            return " ".join([f"engine={cls.name}"] + [f"{k}={v}" for k, v in options.items()
+                                                      if v != cls.options[k].default])
         parts = [f"{s.value}={c.name}" for s, c in self.plugins.items() if c.name != BASELINE[s]]
         parts += [f"engine.{k}={v}" for k, v in sorted(self.engine_overrides.items())]
         return " ".join(parts) or "baseline"
@@ -95,6 +112,10 @@ def resolve_arm(name: str, spec: ArmSpec | dict[str, Any] | None, base: dict[Slo
     slot naming the base's plugin keeps the base's options too, with the spec's on top."""
     if not isinstance(spec, ArmSpec):
         spec = ArmSpec.parse(f"arm {name!r}", spec)
+    if spec.outside is not None:
+        options = {k: v for k, v in spec.outside.items() if k != "name"}
+        cls = load_engine(f"arm {name!r}", spec.outside["name"])
+        return Arm(name, dict(base), outside=(cls, cls.resolve_options(f"arm {name!r}.{ENGINE_KEY}", options)))
     plugins = dict(base)
     for slot, fields in spec.plugins.items():
         if base[slot].name == fields["name"]:

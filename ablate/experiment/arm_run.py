@@ -39,8 +39,10 @@ class ArmRun:
 def expects_baseline_tokens(arm: Arm, baseline: Arm, registry: Registry) -> bool:
     """Every plugin the arm changes is declared exact, on the same model: its greedy tokens must be
     the baseline's."""
-    if arm.name == baseline.name or arm.model_overrides != baseline.model_overrides:
+    if arm.name == baseline.name or arm.model_overrides != baseline.model_overrides or baseline.outside is not None:
         return False
+    if arm.outside is not None:     # an outside engine on the same weights and precision (its own declaration)
+        return arm.outside[0].is_exact(arm.outside[1])
     return all(registry.get(slot, config.name).exact for slot, config in arm.plugins.items()
                if config != baseline.plugins[slot])
 

@@ -37,6 +37,8 @@ from ablate.api.plugin import PluginError
 from ablate.api.sequence import Sequence
 from ablate.engine.arm import Arm
 from ablate.engine.registry import Registry
+from ablate.engines.arm_run import OutsideRuns
+from ablate.engines.contract import OutsideEngineError
 from ablate.experiment import quality_guard as quality
 from ablate.experiment.arm_run import ArmRun, expects_baseline_tokens, run_once, with_fixed_kv_budget
 from ablate.experiment.config import ExperimentConfig
@@ -109,7 +111,7 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
 
     def tokenizer_for(model: LlamaModel, wl: WorkloadConfig):
         """The model's tokenizer, for workloads of text prompts (loaded once per checkpoint)."""
-        if wl.source != "text":
+        if not wl.needs_tokenizer:
             return None
         from ablate.checkpoints.loader import load_tokenizer
         key = repr((model.config.path, model.config.package))
@@ -119,7 +121,13 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
 
     done_runs, done_requests = done if done is not None else (pd.DataFrame(), pd.DataFrame())
     checked = {a.name for a in arms if expects_baseline_tokens(a, baseline, registry)}
-    failed: dict[str, str] = {}         # arm -> why, once a plugin broke the contract
+    failed: dict[str, str] = {}         # arm -> why, once a plugin broke the contract (or it cannot run here)
+    skipped = {a.name for a in arms if a.outside is not None and a.outside[0].missing()}
+    for arm in arms:
+        if arm.name in skipped:         # an outside engine not installed: one line, never a crash
+            failed[arm.name] = arm.outside[0].missing()
+            progress(f"arm {arm.name}: skipped: {failed[arm.name]}")
+    outside = OutsideRuns(engine_cfg.max_num_seqs)
     if not done_runs.empty and "status" in done_runs:
         failed |= {r.arm: r.status_detail for r in done_runs[done_runs["status"] == "failed"].itertuples()}
     rows: list[dict[str, Any]] = []
@@ -138,12 +146,17 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
         if warmup:   # the same prompts, a few tokens each, is enough to warm up
             requests = [replace(r, max_new_tokens=min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests]
         if arm.name in failed:
-            return ArmRun({"status": "failed", "status_detail": failed[arm.name]}, pd.DataFrame(), [])
+            status = "skipped" if arm.name in skipped else "failed"
+            return ArmRun({"status": status, "status_detail": failed[arm.name]}, pd.DataFrame(), [])
         try:
-            run = run_once(arm, model, requests, engine_cfg, registry, peaks, exp.recorder, exp.track_memory)
-        except (PluginError, SystemExit) as err:   # SystemExit: a plugin's sys.exit outside a blamed call
-            failed[arm.name] = f"{err}" if isinstance(err, PluginError) else f"a plugin of the arm called sys.exit({err})"
-            progress(f"{where}: FAILED, not measured again: {err}")
+            if arm.outside is not None:
+                run = outside.run(arm, model, requests, exp.track_memory)
+            else:
+                run = run_once(arm, model, requests, engine_cfg, registry, peaks, exp.recorder, exp.track_memory)
+        except (PluginError, SystemExit, OutsideEngineError) as err:   # SystemExit: a plugin's sys.exit
+            failed[arm.name] = (f"a plugin of the arm called sys.exit({err})" if isinstance(err, SystemExit)
+                                else f"{err}")
+            progress(f"{where}: FAILED, not measured again: {failed[arm.name]}")
             return ArmRun({"status": "failed", "status_detail": failed[arm.name]}, pd.DataFrame(), [])
         has_slo = exp.ttft_slo_ms is not None or exp.tpot_slo_ms is not None
         if has_slo and not run.requests.empty:   # requests per second meeting every SLO set
@@ -153,46 +166,49 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
         progress(f"{where}: {run.row['duration_s']:.3f} s, {run.row['output_throughput_tok_s']:.1f} tok/s")
         return run
 
-    for point, wl in points:
-        prior = finished_rounds(done_runs, point, arms)
-        rows += prior.to_dict("records")
-        if not done_requests.empty and not prior.empty:
-            request_frames.append(done_requests.merge(prior[[*point, "arm", "repeat"]], on=[*point, "arm", "repeat"]))
-        measured_rounds = set(prior["repeat"]) if not prior.empty else set()
-        label = _point_label(point)
-        if measured_rounds:
-            progress(f"{label}: {len(measured_rounds)} round(s) already measured, kept")
-        for repeat in range(-exp.warmup, max_rounds):
-            if repeat >= 0 and repeat in measured_rounds:
-                continue
-            if repeat >= exp.repeats and _settled(rows, point, baseline_name, exp, started):
-                break
-            if repeat < 0 and len(measured_rounds) >= exp.repeats:
-                continue         # nothing left to measure at this point: no warm-up either
-            order = arms if repeat % 2 == 0 else arms[::-1]
-            round_seqs: dict[str, list[Sequence]] = {}
-            round_rows: dict[str, dict[str, Any]] = {}
-            for arm in order:
-                where = f"{label} arm={arm.name} " + ("warm-up" if repeat < 0 else f"round {repeat + 1}")
-                run = measure(arm, wl, where, warmup=repeat < 0)
-                if repeat < 0:
+    try:
+        for point, wl in points:
+            prior = finished_rounds(done_runs, point, arms)
+            rows += prior.to_dict("records")
+            if not done_requests.empty and not prior.empty:
+                request_frames.append(done_requests.merge(prior[[*point, "arm", "repeat"]], on=[*point, "arm", "repeat"]))
+            measured_rounds = set(prior["repeat"]) if not prior.empty else set()
+            label = _point_label(point)
+            if measured_rounds:
+                progress(f"{label}: {len(measured_rounds)} round(s) already measured, kept")
+            for repeat in range(-exp.warmup, max_rounds):
+                if repeat >= 0 and repeat in measured_rounds:
                     continue
-                if run.row["status"] == "ok":
-                    round_seqs[arm.name] = run.sequences
-                round_rows[arm.name] = row = {**point, "arm": arm.name, "label": arm.label(), "repeat": repeat,
-                                              **run.row}
-                rows.append(row)
-                if not run.requests.empty:
-                    request_frames.append(run.requests.assign(arm=arm.name, repeat=repeat, **point))
-                if run.sequences:
-                    samples.setdefault(arm.name, run.sequences[0].output_token_ids)
-            if repeat >= 0:
-                _check_round(round_rows, round_seqs, checked, baseline_name, model_for(baseline))
-                if on_round is not None:
-                    on_round(pd.DataFrame(rows), _concat(request_frames))
-        if exp.quality.enabled:
-            _guard_quality(rows, point, wl, arms, baseline, scored, tokenizer_for, engine_cfg, registry,
-                           exp.quality, progress)
+                if repeat >= exp.repeats and _settled(rows, point, baseline_name, exp, started):
+                    break
+                if repeat < 0 and len(measured_rounds) >= exp.repeats:
+                    continue         # nothing left to measure at this point: no warm-up either
+                order = arms if repeat % 2 == 0 else arms[::-1]
+                round_seqs: dict[str, list[Sequence]] = {}
+                round_rows: dict[str, dict[str, Any]] = {}
+                for arm in order:
+                    where = f"{label} arm={arm.name} " + ("warm-up" if repeat < 0 else f"round {repeat + 1}")
+                    run = measure(arm, wl, where, warmup=repeat < 0)
+                    if repeat < 0:
+                        continue
+                    if run.row["status"] == "ok":
+                        round_seqs[arm.name] = run.sequences
+                    round_rows[arm.name] = row = {**point, "arm": arm.name, "label": arm.label(), "repeat": repeat,
+                                                  **run.row}
+                    rows.append(row)
+                    if not run.requests.empty:
+                        request_frames.append(run.requests.assign(arm=arm.name, repeat=repeat, **point))
+                    if run.sequences:
+                        samples.setdefault(arm.name, run.sequences[0].output_token_ids)
+                if repeat >= 0:
+                    _check_round(round_rows, round_seqs, checked, baseline_name, model_for(baseline))
+                    if on_round is not None:
+                        on_round(pd.DataFrame(rows), _concat(request_frames))
+            if exp.quality.enabled:
+                _guard_quality(rows, point, wl, arms, baseline, scored, tokenizer_for, engine_cfg, registry,
+                               exp.quality, progress)
+    finally:
+        outside.close()
     bar.close()
     runs = pd.DataFrame(rows)
     declared = Declarations.of(registry.get(slot, config.name) for arm in arms for slot, config in arm.plugins.items())
@@ -244,7 +260,8 @@ def _guard_quality(rows: list[dict[str, Any]], point: dict[str, Any], wl: Worklo
                    cfg: quality.QualityConfig, progress: Callable[[str], None]) -> None:
     """Perplexity ratio of each arm on held-out text, then the verdict on every round's row."""
     here = [r for r in rows if all(r.get(k) == v for k, v in point.items())]
-    ok_arms = [a for a in arms if any(r["arm"] == a.name and r["status"] == "ok" for r in here)]
+    outside = {a.name for a in arms if a.outside is not None}    # an outside engine's perplexity is not ours to score
+    ok_arms = [a for a in arms if a.name not in outside and any(r["arm"] == a.name and r["status"] == "ok" for r in here)]
     if baseline not in ok_arms:
         return
     ppl = scored.perplexities([baseline] + [a for a in ok_arms if a is not baseline], lambda m: tokenizer_for(m, wl),
@@ -253,10 +270,13 @@ def _guard_quality(rows: list[dict[str, Any]], point: dict[str, Any], wl: Worklo
         progress(f"{_point_label(point)} quality: no perplexity: {scored.unavailable}")
         return
     for row in here:
-        if row["arm"] not in ppl:
+        if row["arm"] in outside:        # no perplexity: its greedy tokens against the baseline's are its quality
+            row["ppl_ratio"] = math.nan
+        elif row["arm"] not in ppl:
             continue
-        row["perplexity"] = ppl[row["arm"]]
-        row["ppl_ratio"] = ppl[row["arm"]] / ppl[baseline.name]
+        else:
+            row["perplexity"] = ppl[row["arm"]]
+            row["ppl_ratio"] = ppl[row["arm"]] / ppl[baseline.name]
         lost = scored.verdict(row["ppl_ratio"], row.get("token_agreement", math.nan))
         if lost and row["status"] == "ok":
             row["status"], row["status_detail"] = quality.DEGRADED, lost

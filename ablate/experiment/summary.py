@@ -20,7 +20,7 @@ MEDIAN_COLUMNS = (
     "seqs_admitted_max", "seqs_admitted_mean", "seqs_admitted_while_queued", "preemptions", "kv_bytes_per_token",
     "baseline_agreement", "token_agreement", "perplexity", "ppl_ratio")
 # an arm's status over its rounds: the worst one counts (degraded: lost quality, ablate.experiment.quality_guard)
-STATUS_ORDER = ("ok", "degraded", "diverged", "failed")
+STATUS_ORDER = ("ok", "degraded", "diverged", "failed", "skipped")   # skipped: an outside engine not installed
 AGGREGATE = {"median": lambda v: v.median(), "max": lambda v: v.max(), "min": lambda v: v.min(),
              "first": lambda v: v.iloc[0]}
 

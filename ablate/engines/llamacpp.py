@@ -1,0 +1,108 @@
+"""engine=llamacpp: llama.cpp (through llama-cpp-python) on the experiment's GGUF checkpoint.
+
+`weights`: shipped runs the file as it is (SmolLM2's is Q4_1: a quarter of fp32's bytes, and products in
+llama.cpp's own quantised arithmetic: a different byte budget, labelled so); f32 and f16 run the same
+weights rewritten (ablate.engines.gguf_rewrite), the bytes ablate's fp32 and a half-precision engine
+stream. One request at a time: llama-cpp-python's generate() serves one sequence, and its cache is
+cleared before each request (no prefix reuse across requests or rounds: every prompt is prefilled).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ablate.api.sequence import Request
+from ablate.checkpoints.loader import checkpoint_path
+from ablate.engines.batches import Emitter, OneBatchAtATime
+from ablate.engines.contract import Option
+from ablate.engines.gguf_rewrite import rewritten_gguf
+from ablate.model.llama import LlamaModel
+
+if TYPE_CHECKING:
+    import llama_cpp
+
+
+CONTEXT_ROUNDING = 256     # the context is the workload's longest sequence, rounded up to this
+
+
+class LlamaCpp(OneBatchAtATime):
+    name = "llamacpp"
+    requires = ("llama_cpp",)
+    extra = "llamacpp"
+    options = {
+        "weights": Option("f32", "the GGUF it runs: shipped as is, or rewritten in f32 / f16", ("shipped", "f32", "f16")),
+        "threads": Option(0, "CPU threads; 0: torch's, the same as ablate's arms"),
+        "n_batch": Option(512, "prompt tokens per llama.cpp decode call"),
+    }
+
+    def __init__(self, options: dict[str, Any], model: LlamaModel, max_batch: int) -> None:
+        super().__init__(options, model, max_batch)
+        import torch
+
+        cfg = model.config
+        source = checkpoint_path(cfg) if (cfg.path or cfg.package) else None
+        if source is None or source.suffix != ".gguf":
+            raise ValueError(f"engine=llamacpp runs a GGUF checkpoint; model {cfg.name!r} has "
+                             + (f"{source}" if source else "none (random weights)")
+                             + ": use a GGUF model (model.path=<file.gguf> or a preset that ships one)")
+        self.path = source if options["weights"] == "shipped" else rewritten_gguf(source, options["weights"])
+        self.threads = options["threads"] or torch.get_num_threads()
+        self.llm: llama_cpp.Llama | None = None
+        self.n_ctx = 0
+
+    def context_for(self, request: Request) -> llama_cpp.Llama:
+        """The model with a context of at least the request's whole length. Sized to the workload, as ablate's
+        own cache is (its max_seq_len): llama.cpp's decode step slows with the context allocated (8192 tokens
+        of SmolLM2's context made a step ~3x slower than 512 here), so the context is not the model's maximum."""
+        import llama_cpp
+
+        need = len(request.prompt_token_ids) + request.max_new_tokens
+        if self.llm is None or need > self.n_ctx:
+            self.close()
+            self.n_ctx = -(-need // CONTEXT_ROUNDING) * CONTEXT_ROUNDING
+            self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=self.n_ctx, n_threads=self.threads,
+                                       n_threads_batch=self.threads, n_batch=self.opts["n_batch"], verbose=False)
+        return self.llm
+
+    @classmethod
+    def is_exact(cls, options: dict[str, Any]) -> bool:
+        return False    # its own kernels and summation order (and, shipped, its quantised products)
+
+    def describe(self) -> dict[str, str]:
+        file_type = {"shipped": f"shipped ({self.path.name})", "f32": "F32 rewrite", "f16": "F16 rewrite"}
+        return {"precision": {"shipped": "gguf-as-shipped", "f32": "fp32", "f16": "fp16"}[self.opts["weights"]],
+                "weights": file_type[self.opts["weights"]], "batching": "one request at a time",
+                "threads": str(self.threads)}
+
+    def batch_limit(self) -> int:
+        return 1
+
+    def weight_bytes(self) -> int:
+        return self.path.stat().st_size
+
+    def memory_bytes(self) -> int | None:
+        """The file (mapped whole) and the K/V cache llama.cpp allocates for its context, f16 by default:
+        n_ctx x layers x 2 (K, V) x H_kv x D x 2 bytes."""
+        c = self.model.config
+        return self.weight_bytes() + self.n_ctx * c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2
+
+    def generate(self, batch: list[Request], emit: Emitter) -> None:
+        (request,) = batch
+        llm = self.context_for(request)
+        sampling = request.sampling
+        if sampling.is_greedy:
+            knobs = {"temp": 0.0, "top_k": 1}
+        else:
+            llm.set_seed(sampling.seed or 0)
+            knobs = {"temp": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
+        llm.reset()                       # forget the last request: reset=False below then keeps no prefix
+        tokens = llm.generate(list(request.prompt_token_ids), reset=False, min_p=0.0, repeat_penalty=1.0,
+                                   **knobs)
+        for token in tokens:
+            emit(request.request_id, [token])
+            if emit.done(request.request_id):
+                break
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.close()
+            self.llm = None

@@ -84,6 +84,18 @@ class StreamTo:
         pass
 
 
+class UntilDone:
+    """transformers' stopping criterion, per row: a row stops once the emitter has its request done (its
+    max_new_tokens, or a stop token of its own). Not transformers' eos_token_id: that stops every row of
+    the batch at any request's stop token and pads it with PAD_ID, which would be kept as its tokens."""
+
+    def __init__(self, request_ids: list[int], emit: Emitter) -> None:
+        self.request_ids, self.emit = request_ids, emit
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor([self.emit.done(i) for i in self.request_ids], dtype=torch.bool, device=input_ids.device)
+
+
 class HFGenerate(OneBatchAtATime):
     name = "hf"
     requires = ("transformers",)
@@ -118,7 +130,6 @@ class HFGenerate(OneBatchAtATime):
             ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids, device=ids.device)
             mask[row, width - len(r.prompt_token_ids):] = 1
         longest = max(r.max_new_tokens for r in batch)
-        stops = sorted({t for r in batch for t in r.stop_token_ids})
         sampling = batch[0].sampling
         kwargs: dict[str, Any] = {"do_sample": False}
         if not sampling.is_greedy:
@@ -128,7 +139,10 @@ class HFGenerate(OneBatchAtATime):
             kwargs["cache_implementation"] = "static"
         if self.opts["prompt_lookup"]:
             kwargs["prompt_lookup_num_tokens"] = self.opts["prompt_lookup"]
+        from transformers import StoppingCriteriaList
+
+        request_ids = [r.request_id for r in batch]
         with torch.inference_mode():
-            self.hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=0 if stops else longest,
-                             eos_token_id=stops or None, pad_token_id=PAD_ID,
-                             streamer=StreamTo([r.request_id for r in batch], emit), **kwargs)
+            self.hf.generate(ids, attention_mask=mask, max_new_tokens=longest, pad_token_id=PAD_ID,
+                             stopping_criteria=StoppingCriteriaList([UntilDone(request_ids, emit)]),
+                             streamer=StreamTo(request_ids, emit), **kwargs)

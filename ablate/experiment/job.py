@@ -12,8 +12,8 @@ No Hydra here: the CLI hands over the resolved config as a plain dict.
 """
 from __future__ import annotations
 
+import hashlib
 import json
-
 import os
 import traceback
 from dataclasses import replace
@@ -45,6 +45,7 @@ from ablate.results import RunFolder, code_version, environment
 
 # keys that change where or how results are written, not what is measured
 NOT_MEASURED = ("wandb", "redo", "results_dir")
+INPUT_FILES = ("trace_path", "dataset_path", "count_tokenizer")    # workload keys naming files it reads
 
 
 def resolved_config(raw: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -61,7 +62,20 @@ def run_identity(raw: dict[str, Any], device: torch.device) -> dict[str, Any]:
     and the device it runs on (`cpu`, `cuda: NVIDIA H200`), so that a finished CPU run never makes
     the GPU job of the same config look finished (it would be skipped), nor the reverse."""
     measured = {k: v for k, v in resolved_config(raw, device).items() if k not in NOT_MEASURED}
-    return measured | {"device_identity": dev.identity(device)}
+    return measured | {"device_identity": dev.identity(device), "input_files": input_file_digests(raw)}
+
+
+def input_file_digests(raw: dict[str, Any]) -> dict[str, str]:
+    """A digest of each file the workload reads (trace, dataset, counting tokenizer): an edited file
+    is a new run, not one already finished. A file that cannot be read is left to the workload's own
+    check, which names it."""
+    workload = raw.get("workload") or {}
+    digests = {}
+    for key in INPUT_FILES:
+        path = workload.get(key)
+        if path and Path(path).is_file():
+            digests[key] = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    return digests
 
 
 def run_job(raw: dict[str, Any], registry: Registry, swallow_errors: bool = False,

@@ -29,9 +29,9 @@ def answer(prompt: list[int], n: int) -> list[int]:
 class FakeServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, send_ids: bool = True, fail: bool = False) -> None:
+    def __init__(self, send_ids: bool = True, fail: bool = False, fail_mid_stream: bool = False) -> None:
         super().__init__(("127.0.0.1", 0), Handler)
-        self.send_ids, self.fail = send_ids, fail
+        self.send_ids, self.fail, self.fail_mid_stream = send_ids, fail, fail_mid_stream
         self.bodies: list[dict] = []
         self.in_flight = self.most_in_flight = 0
         self.lock = threading.Lock()
@@ -68,8 +68,11 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        for token in answer(body["prompt"], body["max_tokens"]):
+        for i, token in enumerate(answer(body["prompt"], body["max_tokens"])):
             time.sleep(CHUNK_DELAY_S)
+            if server.fail_mid_stream and i == 2:
+                self.wfile.write(b'data: {"error": {"message": "EngineCore died", "code": 500}}\n\n')
+                break
             choice = {"text": f" t{token}"} | ({"token_ids": [token]} if server.send_ids else {})
             self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
             self.wfile.flush()
@@ -162,6 +165,8 @@ def test_a_stop_token_cuts_the_output_and_the_body_lets_the_server_stop(server_f
 def test_server_errors_and_a_missing_url_are_named(server_factory):
     with pytest.raises(OutsideEngineError, match=r"request \d to http://127.0.0.1:\d+/v1 failed: HTTPError"):
         engine(server_factory(fail=True).url, model="m").serve(requests(1), Timeline())
+    with pytest.raises(OutsideEngineError, match="failed: ValueError: the server reported: EngineCore died"):
+        engine(server_factory(fail_mid_stream=True).url).serve(requests(1), Timeline())
     with pytest.raises(ValueError, match="engine=openai needs url"):
         engine("")
     with pytest.raises(ValueError, match="cannot list the models of http://127.0.0.1:9/v1/models"):

@@ -38,7 +38,11 @@ def stream_completion(url: str, body: dict[str, Any], timeout_s: float):
             payload = line[len("data:"):].strip()
             if payload == "[DONE]":
                 return
-            yield json.loads(payload)
+            chunk = json.loads(payload)
+            if "error" in chunk:            # a failure after the stream began: an event, not a status code
+                error = chunk["error"]
+                raise ValueError(f"the server reported: {error.get('message', error) if isinstance(error, dict) else error}")
+            yield chunk
 
 
 class OpenAICompatible(OutsideEngine):
@@ -52,12 +56,17 @@ class OpenAICompatible(OutsideEngine):
 
     def __init__(self, options: dict[str, Any], model: LlamaModel, max_batch: int) -> None:
         super().__init__(options, model, max_batch)
-        if not options["url"]:
-            raise ValueError("engine=openai needs url: the server's base URL, e.g. http://127.0.0.1:8000/v1")
-        self.base = options["url"].rstrip("/")
-        self.served_model = options["model"] or self._first_model()
         self.tokenizer = None
         self.re_encoded = False            # some outputs were text re-encoded, not the server's token ids
+        if self.name == OpenAICompatible.name:
+            if not options["url"]:
+                raise ValueError("engine=openai needs url: the server's base URL, e.g. http://127.0.0.1:8000/v1")
+            self.connect(options["url"], options["model"])
+
+    def connect(self, url: str, served_model: str = "") -> None:
+        """Talk to the server at `url` (its base, .../v1), to `served_model` or the first it lists."""
+        self.base = url.rstrip("/")
+        self.served_model = served_model or self._first_model()
 
     def _first_model(self) -> str:
         try:
@@ -149,7 +158,7 @@ class OpenAICompatible(OutsideEngine):
                 continue
             in_flight -= 1
             if isinstance(result, BaseException):
-                raise OutsideEngineError(f"engine=openai: request {request_id} to {self.base} failed: "
+                raise OutsideEngineError(f"engine={self.name}: request {request_id} to {self.base} failed: "
                                          f"{type(result).__name__}: {result}")
             outputs[request_id] = result
             arrivals.finished(request_id, finished)

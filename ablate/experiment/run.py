@@ -122,11 +122,10 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
     done_runs, done_requests = done if done is not None else (pd.DataFrame(), pd.DataFrame())
     checked = {a.name for a in arms if expects_baseline_tokens(a, baseline, registry)}
     failed: dict[str, str] = {}         # arm -> why, once a plugin broke the contract (or it cannot run here)
-    skipped = {a.name for a in arms if a.outside is not None and a.outside[0].missing()}
-    for arm in arms:
-        if arm.name in skipped:         # an outside engine not installed: one line, never a crash
-            failed[arm.name] = arm.outside[0].missing()
-            progress(f"arm {arm.name}: skipped: {failed[arm.name]}")
+    skipped = {a.name: why for a in arms if a.outside is not None and (why := a.outside[0].missing())}
+    for arm, why in skipped.items():    # an outside engine not installed: one line, never a crash
+        failed[arm] = why
+        progress(f"arm {arm}: skipped: {why}")
     outside = OutsideRuns(engine_cfg.max_num_seqs)
     if not done_runs.empty and "status" in done_runs:
         failed |= {r.arm: r.status_detail for r in done_runs[done_runs["status"] == "failed"].itertuples()}

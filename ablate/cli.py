@@ -22,6 +22,22 @@ def list_plugins() -> None:
     print("  ".join(k.ljust(w) for k, w in widths.items()))
     for r in rows:
         print("  ".join(str(r[k]).ljust(w) for k, w in widths.items()))
+    print("\noutside engines (an arm's engine: {name: ...}):")
+    for name, line in outside_engines().items():
+        print(f"  {name.ljust(10)}{line}")
+
+
+def outside_engines() -> dict[str, str]:
+    """Each outside engine of the `ablate.engines` entry points: ready, or why not (what to install)."""
+    from ablate.engines.registry import engine_names, load_engine
+
+    lines = {}
+    for name in engine_names():
+        try:
+            lines[name] = load_engine("ablate plugins", name).missing() or "ready"
+        except ValueError as err:
+            lines[name] = f"error: {err}"
+    return lines
 
 
 def book_arguments(args: list[str]) -> list[str]:

@@ -251,3 +251,12 @@ def test_an_outside_arms_label_shows_the_engine_and_its_changed_options(registry
     assert label({"engine": {"name": "hf", "cache": "static"}}) == "engine=hf cache=static"
     assert label({"engine": {"name": "hf", "cache": "dynamic", "prompt_lookup": 3}}) == "engine=hf prompt_lookup=3"
     assert label({"engine": "hf"}) == "engine=hf"
+
+
+def test_ablate_plugins_lists_each_outside_engine_ready_or_what_it_needs(monkeypatch):
+    from ablate import cli
+
+    monkeypatch.setattr(HFGenerate, "requires", ("no_such_module_xyz",))
+    engines = cli.outside_engines()
+    assert {"hf", "llamacpp", "openai", "vllm"} <= set(engines) and engines["openai"] == "ready"
+    assert engines["hf"] == 'engine=hf needs no_such_module_xyz, which is not installed (pip install -e ".[hf]")'

@@ -55,6 +55,11 @@ def run_batch(batch: int, repeats: int, results: Path, extra: list[str]) -> Path
     return run.parent
 
 
+def _first(*values):
+    """The first value that is given (not None, not NaN: a column other arms' rows fill)."""
+    return next((v for v in values if v is not None and not (isinstance(v, float) and v != v)), "")
+
+
 def table(run: Path, batch: int) -> pd.DataFrame:
     summary, runs = pd.read_csv(run / "summary.csv"), pd.read_csv(run / "runs.csv")
     first = runs.groupby("arm").first()
@@ -65,11 +70,15 @@ def table(run: Path, batch: int) -> pd.DataFrame:
         ok = r.status in ("ok", "degraded")
         rows.append({
             "engine": engine, "arm": r.arm,
-            "precision": arm.get("engine.precision", arm.get("dtype", "")) if ok else "",
-            "batching": arm.get("engine.batching", "continuous" if "continuous" in str(r.label) else "static"),
+            "precision": _first(arm.get("engine.precision"), arm.get("dtype")) if ok else "",
+            "batching": _first(arm.get("engine.batching"),
+                               "continuous" if "scheduler=continuous" in str(r.label) else "static"),
             "batch": batch, "tok/s": r.output_throughput_tok_s, "TPOT p50 ms": r.tpot_p50_ms,
-            "ratio to ablate": r.speedup if r.status == "ok" else getattr(r, "time_ratio", float("nan")),
-            "CI low": r.speedup_ci_low, "CI high": r.speedup_ci_high, "rounds": r.speedup_rounds,
+            # a degraded arm (it lost quality) has no speedup: its time ratio is shown, with its status beside it
+            **({"ratio to ablate": r.speedup, "CI low": r.speedup_ci_low, "CI high": r.speedup_ci_high}
+               if r.status != "degraded" else
+               {"ratio to ablate": r.time_ratio, "CI low": r.time_ratio_ci_low, "CI high": r.time_ratio_ci_high}),
+            "rounds": r.speedup_rounds,
             "agreement": r.token_agreement, "status": r.status,
         })
     return pd.DataFrame(rows)

@@ -103,3 +103,16 @@ def test_the_paths_are_timed_over_every_live_layer_of_the_shape(faster, monkeypa
     torch.testing.assert_close(got, F.linear(x, same[0].weight.detach()), atol=1e-5, rtol=1e-5)
     assert [products[id(m)] for m in same] == [1 + (faster == linear.ONEDNN), 1, 1] and products[id(other)] == 0
     assert all((m._packed is None) == (faster == linear.MKL) for m in same)
+
+
+@pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
+def test_products_of_many_rows_are_timed_on_one_layer(monkeypatch):
+    """Past 16 rows a product reuses its weight across rows: timing it over every layer would only cost
+    time (minutes for a large prefill), so one layer times it."""
+    monkeypatch.setattr(linear, "_paths", {})
+    layers = [Linear(48, 80, bias=False) for _ in range(3)]
+    calls = []
+    monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (calls.append(len(fn())), 1.0)[1])
+    with torch.inference_mode():
+        layers[0](torch.randn(17, 48))
+    assert calls == [1, 1]

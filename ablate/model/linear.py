@@ -7,11 +7,13 @@ product of each (weight shape, dtype, class of row count, thread count) times bo
 after warm-up) and keeps the faster for the process; `linear_paths()` lists the choices and every
 run records them (environment.json).
 
-Both are timed as a step meets them: over every live layer of that shape (up to MAX_TIMED_LAYERS),
-one after another, not one weight again and again. A model's 30 copies of a 2 MB weight stream from
-DRAM in a decode step; a single one, repeated, sits in the cache, where the ranking can flip: timed
-on one cache-hot weight, MKL won SmolLM2's decode products that oneDNN ran 1.2-1.9x faster from DRAM
-(a Zen 5 EPYC: 43 -> 35 ms a step). Measured on SmolLM2's shapes, 2 cores: on an AVX2 EPYC oneDNN
+Products of up to 16 rows are bound by reading W, so both paths are timed as a step meets them:
+over every live layer of that shape (up to MAX_TIMED_LAYERS), one after another, not one weight again
+and again. A model's 30 copies of a 2 MB weight stream from DRAM in a decode step; a single one,
+repeated, sits in the cache, where the ranking can flip: timed on one cache-hot weight, MKL won
+SmolLM2's decode products that oneDNN ran 1.2-1.9x faster from DRAM (a Zen 5 EPYC: 48 -> 40 ms a
+step). Larger products reuse each weight across their rows (compute-bound), so one layer times them:
+timing a 64-request prefill of 8192 rows over 30 layers would take minutes. Measured on SmolLM2's shapes, 2 cores: on an AVX2 EPYC oneDNN
 ran 2-128-token products about twice as fast as MKL (4 tokens 127 -> 51 ms for the 121 products of
 one forward) while MKL's matrix-vector path won at one token; on a Zen 5 EPYC oneDNN won at one
 token too (a decode step 30 -> 16.5 ms); on another AVX-512 EPYC MKL won at one token again.
@@ -135,7 +137,8 @@ class Linear(nn.Linear):
     def _faster_path(self, x: torch.Tensor) -> str:
         """MKL or oneDNN, timed on `x` through every live layer shaped like this one (the module docstring)."""
         w = self.weight
-        layers = [self] + [m for m in list(_live) if m is not self and m.weight.shape == w.shape
+        streamed = row_class(x.numel() // x.shape[-1]) <= row_class(ROW_CLASSES[1])    # <= 16 rows: bound by W
+        layers = [self] + [m for m in list(_live) if streamed and m is not self and m.weight.shape == w.shape
                            and m.weight.dtype == w.dtype and m.weight.device == w.device
                            and (m.bias is None) == (self.bias is None)][:MAX_TIMED_LAYERS - 1]
         mkl = _median_seconds(lambda: [F.linear(x, m.weight, m.bias) for m in layers])

@@ -11,7 +11,7 @@ Products of up to 16 rows are bound by reading W, so both paths are timed as a s
 over every live layer of that shape (up to MAX_TIMED_LAYERS), one after another, not one weight again
 and again. A model's 30 copies of a 2 MB weight stream from DRAM in a decode step; a single one,
 repeated, sits in the cache, where the ranking can flip: timed on one cache-hot weight, MKL won
-SmolLM2's decode products that oneDNN ran 1.2-1.9x faster from DRAM (a Zen 5 EPYC: 48 -> 40 ms a
+SmolLM2's decode products that oneDNN ran 1.2-1.9x faster from DRAM (a Zen 4 EPYC: 48 -> 40 ms a
 step). Larger products reuse each weight across their rows (compute-bound), so one layer times them:
 timing a 64-request prefill of 8192 rows over 30 layers would take minutes. Measured on SmolLM2's shapes, 2 cores: on an AVX2 EPYC oneDNN
 ran 2-128-token products about twice as fast as MKL (4 tokens 127 -> 51 ms for the 121 products of

@@ -59,7 +59,8 @@ class ArmSpec:
         if not isinstance(model, dict):
             raise ValueError(f"{where}.{MODEL_KEY} must map model fields to values, got {model!r}")
         engine = raw.pop(ENGINE_KEY, None) or {}
-        engine = {"name": engine} if isinstance(engine, str) else engine
+        if isinstance(engine, str) and engine not in ARM_ENGINE_OPTIONS:    # `engine: hf` names an outside engine
+            engine = {"name": engine}
         if isinstance(engine, dict) and engine.get("name", OWN_ENGINE) != OWN_ENGINE:
             if raw or model:
                 raise ValueError(f"{where} runs engine={engine['name']}, which sets no ablate slot or model field "

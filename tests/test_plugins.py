@@ -305,7 +305,7 @@ def test_installed_third_party_plugin_is_listed_and_runs(plugin_site, tmp_path):
     assert "ablate_recording_kv" not in sys.modules      # this process never imported it
     listing = run_cli(plugin_site, tmp_path, "plugins")
     assert listing.returncode == 0, listing.stderr
-    rows = [line.split(None, 4) for line in listing.stdout.splitlines()[1:]]
+    rows = [line.split(None, 4) for line in listing.stdout.split("\n\n")[0].splitlines()[1:]]   # then the engines
     by_name = {(r[0], r[1]): r for r in rows}
     assert by_name[("kv_cache", "recording")][2:] == ["ablate-recording-kv", "loaded"]
     broken = by_name[("attention", "broken")]

@@ -50,7 +50,7 @@ def test_a_killed_job_keeps_its_rounds_and_a_rerun_measures_only_the_rest(compos
     counting_run_once(monkeypatch, fail_at=5)         # rounds 0 and 1 finish; round 2 dies in its first arm
     with pytest.raises(Killed):
         run_job(raw, registry)
-    folder = next((tmp_path / "results" / "default").iterdir())
+    folder = next(p for p in (tmp_path / "results" / "default").iterdir() if p.is_dir())   # not its .lock
     kept = pd.read_csv(folder / "runs.csv")
     assert sorted(kept["repeat"].unique()) == [0, 1] and len(kept) == 4
     assert (folder / "failed.json").exists() and not (folder / "done.json").exists()

@@ -116,3 +116,15 @@ def test_products_of_many_rows_are_timed_on_one_layer(monkeypatch):
     with torch.inference_mode():
         layers[0](torch.randn(17, 48))
     assert calls == [1, 1]
+
+
+@pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
+def test_a_losing_onednn_path_keeps_the_packed_copies_other_row_classes_use(monkeypatch):
+    monkeypatch.setattr(linear, "_paths", {})
+    layers = [Linear(48, 80, bias=False) for _ in range(2)]
+    with torch.inference_mode():
+        layers[1]._onednn(torch.randn(20, 48))           # packed for a 17-128-row product, before any timing
+        timings = iter([0.5, 1.0])                         # MKL wins the 1-row timing
+        monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (fn(), next(timings))[1])
+        layers[0](torch.randn(1, 48))
+    assert layers[0]._packed is None and layers[1]._packed is not None

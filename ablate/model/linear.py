@@ -5,18 +5,19 @@ blocked layout (what Inductor's CPU "freezing" does; here done eagerly, without 
 Which is faster depends on the machine and the shape, so neither is fixed in the code: the first
 product of each (weight shape, dtype, class of row count, thread count) times both (median of 7
 after warm-up) and keeps the faster for the process; `linear_paths()` lists the choices and every
-run records them (environment.json).
+run records them (environment.json). Measured on SmolLM2's shapes, 2 cores: on an AVX2 EPYC oneDNN
+ran 2-128-token products about twice as fast as MKL (4 tokens 127 -> 51 ms for the 121 products of
+one forward) while MKL's matrix-vector path won at one token; on a Zen 5 EPYC oneDNN won at one
+token too (a decode step 30 -> 16.5 ms); on another AVX-512 EPYC MKL won at one token again.
 
 Products of up to 16 rows are bound by reading W, so both paths are timed as a step meets them:
 over every live layer of that shape (up to MAX_TIMED_LAYERS), one after another, not one weight again
 and again. A model's 30 copies of a 2 MB weight stream from DRAM in a decode step; a single one,
 repeated, sits in the cache, where the ranking can flip: timed on one cache-hot weight, MKL won
-SmolLM2's decode products that oneDNN ran 1.2-1.9x faster from DRAM (a Zen 4 EPYC: 48 -> 40 ms a
-step). Larger products reuse each weight across their rows (compute-bound), so one layer times them:
-timing a 64-request prefill of 8192 rows over 30 layers would take minutes. Measured on SmolLM2's shapes, 2 cores: on an AVX2 EPYC oneDNN
-ran 2-128-token products about twice as fast as MKL (4 tokens 127 -> 51 ms for the 121 products of
-one forward) while MKL's matrix-vector path won at one token; on a Zen 5 EPYC oneDNN won at one
-token too (a decode step 30 -> 16.5 ms); on another AVX-512 EPYC MKL won at one token again.
+SmolLM2's decode products that oneDNN ran 1.2-1.9x faster from DRAM (a Zen 4 EPYC: 44 -> 37 ms a
+step, benchmarks/decode_profile.py). Larger products reuse each weight across their rows
+(compute-bound), so one layer times them: a 64-request prefill of 8192 rows timed over 30 layers
+took minutes.
 
 Row classes (ROW_CLASSES): 1 row (a decode step at batch 1), up to 16 (a verify pass of k drafts, a
 small decode batch), up to 128, and more (prefills). A pass of 2 rows must not inherit the path
@@ -60,6 +61,7 @@ MKL, ONEDNN = "mkl", "onednn"
 _paths: dict[tuple, str] = {}    # (d_out, d_in, dtype, row class, threads) -> the faster path, timed once
 ROW_CLASSES = (1, 16, 128)       # upper bounds: 1 row, 2-16, 17-128, more
 MAX_TIMED_LAYERS = 64            # the most layers of one shape a path is timed over
+STREAMED_CLASS = 1               # row classes up to this one (<= 16 rows) are bound by reading W
 _live: weakref.WeakSet[Linear] = weakref.WeakSet()    # every Linear alive: the layers a choice is timed on
 
 
@@ -131,21 +133,23 @@ class Linear(nn.Linear):
         key = (*w.shape, w.dtype, row_class(x.numel() // x.shape[-1]), torch.get_num_threads())
         path = _paths.get(key)
         if path is None:       # the first product of its kind: time both paths, keep the faster
-            path = _paths[key] = self._faster_path(x)
+            path = _paths[key] = self._faster_path(x, streamed=key[3] <= STREAMED_CLASS)
         return F.linear(x, w, self.bias) if path == MKL else self._onednn(x)
 
-    def _faster_path(self, x: torch.Tensor) -> str:
-        """MKL or oneDNN, timed on `x` through every live layer shaped like this one (the module docstring)."""
+    def _faster_path(self, x: torch.Tensor, streamed: bool) -> str:
+        """MKL or oneDNN, timed on `x`: through every live layer shaped like this one when the product
+        streams W (`streamed`), else through this one (the module docstring)."""
         w = self.weight
-        streamed = row_class(x.numel() // x.shape[-1]) <= row_class(ROW_CLASSES[1])    # <= 16 rows: bound by W
         layers = [self] + [m for m in list(_live) if streamed and m is not self and m.weight.shape == w.shape
                            and m.weight.dtype == w.dtype and m.weight.device == w.device
                            and (m.bias is None) == (self.bias is None)][:MAX_TIMED_LAYERS - 1]
+        packed_before = {id(m) for m in layers if m._packed is not None}
         mkl = _median_seconds(lambda: [F.linear(x, m.weight, m.bias) for m in layers])
         onednn = _median_seconds(lambda: [m._onednn(x) for m in layers])
         if mkl <= onednn:
-            for m in layers:           # packed for the timing only: give the copies back
-                m._packed = m._packed_key = None
+            for m in layers:           # packed for the timing only: give those copies back
+                if id(m) not in packed_before:
+                    m._packed = m._packed_key = None
         return MKL if mkl <= onednn else ONEDNN
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:

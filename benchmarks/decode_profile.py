@@ -14,8 +14,6 @@ rest), beside the weights' bytes per step over the step time against the machine
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +26,7 @@ from ablate.api.sequence import Request
 from ablate.checkpoints.loader import load_model
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.engine.registry import default_registry
+from ablate.measure.device import measure_read_bandwidth
 from ablate.measure.recorder import Recorder
 from ablate.model import linear
 from ablate.model.config import preset
@@ -35,17 +34,6 @@ from ablate.model.config import preset
 CATEGORIES = {"products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"),
               "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"),
               "rms_norm": ("aten::rms_norm",)}
-
-
-def read_bandwidth_gb_s() -> float:
-    buffer = torch.ones(2**28, device="cpu")            # 1 GiB, filled
-    buffer.sum()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        buffer.sum()
-        times.append(time.perf_counter() - start)
-    return buffer.numel() * 4 / statistics.median(times) / 1e9
 
 
 def force(way: str, chosen: dict) -> None:
@@ -94,7 +82,7 @@ def main() -> None:
     arm = resolve_arm("profile", {"kv_cache": "contiguous", "attention": "sdpa"}, baseline_configs(registry), registry)
     decode_steps(model, arm, registry, args.batch, 8, profiled=False)       # warm-up: the timed choices are made
     chosen = dict(linear._paths)
-    bandwidth = read_bandwidth_gb_s()
+    bandwidth = measure_read_bandwidth() / 1e9
     rows = []
     for round_ in range(args.rounds):
         for way in ("timed", "mkl", "onednn") if round_ % 2 == 0 else ("onednn", "mkl", "timed"):

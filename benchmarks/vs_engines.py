@@ -21,26 +21,16 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pandas as pd
-import torch
+
+from ablate.measure.device import measure_read_bandwidth
 
 REPO = Path(__file__).resolve().parent.parent
 # speculative arms, run at batch 1 only: transformers' prompt lookup serves one request at a time, and
 # speculation is a latency technique; the batched table compares the engines' plain decoding
 BATCH_1_ONLY = ("ablate_ngram_k4", "hf_prompt_lookup")
-
-
-def read_bandwidth_gb_s(gib: int = 1, repeats: int = 5) -> float:
-    """Bytes read per second by a reduction over a buffer far larger than any cache (filled first)."""
-    buffer = torch.ones(gib * 2**28, dtype=torch.float32, device="cpu")          # gib GiB
-    buffer.sum()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        buffer.sum()
-    return repeats * buffer.numel() * 4 / (time.perf_counter() - start) / 1e9
 
 
 def run_batch(batch: int, repeats: int, results: Path, extra: list[str]) -> Path:
@@ -92,7 +82,7 @@ def main() -> None:
     parser.add_argument("--extra", default="", help="more Hydra overrides for every run, e.g. 'threads=2'")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="vs_engines-"))
-    bandwidth = read_bandwidth_gb_s()
+    bandwidth = measure_read_bandwidth() / 1e9
     frames = []
     for batch in args.batch:
         run = run_batch(batch, args.repeats, out, shlex.split(args.extra))

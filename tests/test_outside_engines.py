@@ -260,3 +260,11 @@ def test_ablate_plugins_lists_each_outside_engine_ready_or_what_it_needs(monkeyp
     engines = cli.outside_engines()
     assert {"hf", "llamacpp", "openai", "vllm"} <= set(engines) and engines["openai"] == "ready"
     assert engines["hf"] == 'engine=hf needs no_such_module_xyz, which is not installed (pip install -e ".[hf]")'
+
+
+def test_a_float_option_takes_a_whole_number_as_yaml_writes_it():
+    from ablate.engines.openai import OpenAICompatible
+
+    assert OpenAICompatible.resolve_options("arm 'o'", {"timeout_s": 30})["timeout_s"] == 30
+    with pytest.raises(ValueError, match="timeout_s must be a float"):
+        OpenAICompatible.resolve_options("arm 'o'", {"timeout_s": True})

@@ -74,10 +74,11 @@ class OutsideRuns:
         if isinstance(tracker, TensorMemoryTracker):
             row["tracked_peak_bytes"] = tracker.peak_bytes
             row["peak_memory_bytes"] = row["weight_bytes"] + tracker.peak_bytes
-        row["dtype"] = engine.describe().get("precision", model.config.dtype)
+        described = engine.describe()
+        row["dtype"] = described.get("precision", model.config.dtype)
         row["rss_bytes"] = dev.process_rss_bytes()
         row["attention_backend"] = f"engine={engine.name}"
-        row |= {f"engine.{k}": v for k, v in engine.describe().items()}
+        row |= {f"engine.{k}": v for k, v in described.items()}
         return ArmRun(row | {"status": "ok", "status_detail": ""}, request_table(timeline), seqs)
 
     def close(self) -> None:

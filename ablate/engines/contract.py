@@ -33,10 +33,10 @@ class Option:
     def check(self, where: str, value: Any) -> Any:
         if self.choices and value not in self.choices:
             raise ValueError(f"{where} must be one of {', '.join(map(str, self.choices))}, got {value!r}")
-        kind = type(self.default)
+        kind = (int, float) if isinstance(self.default, float) else type(self.default)   # YAML writes 600.0 as 600
         if not self.choices and (isinstance(value, bool) != isinstance(self.default, bool)
                                  or not isinstance(value, kind)):
-            raise ValueError(f"{where} must be a {kind.__name__} ({self.help}), got {value!r}")
+            raise ValueError(f"{where} must be a {type(self.default).__name__} ({self.help}), got {value!r}")
         return value
 
 

@@ -17,17 +17,18 @@ import numpy as np
 TYPES = ("f32", "f16")
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ablate" / "gguf"
+def cache_dir(kind: str) -> Path:
+    """Where files written for outside engines are kept: ~/.cache/ablate/<kind> (XDG_CACHE_HOME honoured)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ablate" / kind
 
 
 def rewritten_gguf(source: Path, weights: str) -> Path:
-    """`source` with its weights in `weights` (f32 | f16), written once into cache_dir()."""
+    """`source` with its weights in `weights` (f32 | f16), written once into cache_dir("gguf")."""
     if weights not in TYPES:
         raise ValueError(f"a GGUF can be rewritten in {' or '.join(TYPES)}, not {weights!r}")
     stat = source.stat()
     key = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_dir() / f"{source.stem}-{key}-{weights}.gguf"
+    target = cache_dir("gguf") / f"{source.stem}-{key}-{weights}.gguf"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".partial")

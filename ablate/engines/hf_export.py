@@ -44,7 +44,7 @@ def hf_directory(model: LlamaModel) -> Path:
     if source is not None and source.exists():
         identity["source_mtime_ns"] = str(source.stat().st_mtime_ns)
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
-    target = cache_dir().parent / "hf" / f"{c.name}-{key}"
+    target = cache_dir("hf") / f"{c.name}-{key}"
     if (target / "config.json").exists():
         return target
     partial = target.with_name(target.name + ".partial")

@@ -150,10 +150,10 @@ class OpenAICompatible(OutsideEngine):
                 timeline.scheduled(request.request_id, time.perf_counter())
                 threading.Thread(target=work, args=(request,), daemon=True).start()
                 in_flight += 1
-            next_time = arrivals.next_time()
+            next_time = arrivals.next_time()      # wake for the next arrival, or (None) for the next finish
             wait = None if next_time is None else max(0.0, next_time - (time.perf_counter() - t0))
             try:
-                request_id, result, finished = done.get(timeout=wait if in_flight else max(wait or 0.0, 1e-3))
+                request_id, result, finished = done.get(timeout=wait)
             except queue.Empty:
                 continue
             in_flight -= 1

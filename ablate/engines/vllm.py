@@ -70,6 +70,8 @@ class VLLMServer(OpenAICompatible):
         return None if check.returncode == 0 else f"engine=vllm: {PYTHON_ENV}={python} cannot import vllm"
 
     def __init__(self, options: dict[str, Any], model: LlamaModel, max_batch: int) -> None:
+        # the client's options (ablate.engines.openai) are this server's: its URL once started, every request
+        # sent at its arrival (vLLM's own --max-num-seqs is the batch limit)
         super().__init__(options | {"url": "", "model": "", "max_concurrency": 0}, model, max_batch)
         import torch
 

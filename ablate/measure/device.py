@@ -6,8 +6,10 @@ import fcntl
 import gc
 import os
 import re
+import statistics
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -168,3 +170,16 @@ def exclusive(device: torch.device) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes read per second on the CPU, the most a decode step can stream its weights at: a sum over
+    a filled buffer far larger than any cache, median of `repeats` after one warm-up."""
+    buffer = torch.ones(num_bytes // 4, dtype=torch.float32, device="cpu")
+    buffer.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return num_bytes / statistics.median(times)

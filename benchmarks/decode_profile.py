@@ -3,13 +3,14 @@
     .venv/bin/python benchmarks/decode_profile.py [--batch 1] [--steps 64] [--rounds 3] [--out DIR]
 
 SmolLM2-135M-Instruct fp32 (contiguous KV cache, SDPA), 128-token prompts, greedy. The CPU products
-run three ways, interleaved round by round in one process: `timed` (the path ablate.model.linear times
-at run time over every layer of a shape: what every run uses), `mkl` and `onednn` (every product of a
-decode step forced onto one path). Per way: the decode step's median time from the engine's recorder,
-and a torch.profiler breakdown of the same steps (self CPU time per step of the products
-(mkldnn::_linear_pointwise, aten::mm/addmm), of attention (scaled_dot_product_*), of RMSNorm, and the
-rest), beside the weights' bytes per step over the step time against the machine's read bandwidth
-(a 1 GiB buffer, measured here).
+run several ways, interleaved round by round in one process: `timed` (the paths ablate.model.linear
+times at run time: what every run uses), `mkl` and `onednn` (every product of a decode step forced
+onto one of torch's paths) and, at batch 1, `numpy` (every one-token step lent to numpy's BLAS,
+ablate/model/numpy_blas.py). Per way: the decode step's median time from the engine's recorder, and a
+torch.profiler breakdown of the same steps per step: the products (mkldnn::_linear_pointwise,
+aten::mm/addmm, numpy's matmul), attention (scaled_dot_product_*) and RMSNorm (aten::rms_norm with
+the operations it is made of), and the rest; beside it the weights' bytes per step over the step
+time against the machine's read bandwidth (a 1 GiB buffer, measured here).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from ablate.api.context import EngineConfig
 from ablate.api.sequence import Request
@@ -28,18 +29,34 @@ from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.engine.registry import default_registry
 from ablate.measure.device import measure_read_bandwidth
 from ablate.measure.recorder import Recorder
-from ablate.model import linear
+from ablate.model import linear, numpy_blas
 from ablate.model.config import preset
+from ablate.model.linear import Linear
 
-CATEGORIES = {"products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"),
-              "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"),
+# category -> the profiler events it sums (their total time: RMSNorm is made of several operations)
+CATEGORIES = {"products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "numpy_blas::matmul"),
+              "attention": ("aten::scaled_dot_product_attention",),
               "rms_norm": ("aten::rms_norm",)}
 
 
-def force(way: str, chosen: dict) -> None:
-    """Every 1-row (decode at batch 1) or 2-16-row product onto `way`, or back to the timed choice."""
+def force(way: str, chosen: dict, chosen_one_row: dict) -> None:
+    """Every 1-row (decode at batch 1) or 2-16-row product onto `way`, or back to the timed choices."""
     linear._paths.clear()
-    linear._paths.update(chosen if way == "timed" else {k: (way if k[3] < 2 else v) for k, v in chosen.items()})
+    numpy_blas.on_numpy.clear()
+    if way == "timed":
+        linear._paths.update(chosen)
+        numpy_blas.on_numpy.update(chosen_one_row)
+    else:
+        linear._paths.update({k: (way if k[3] < 2 and way != "numpy" else v) for k, v in chosen.items()})
+        numpy_blas.on_numpy.update({k: way == "numpy" for k in chosen_one_row})
+
+
+def numpy_products_named(numpy_product):
+    """Linear._numpy as a profiler event of its own (numpy's matmul is not a torch operation)."""
+    def named(self, x):
+        with record_function("numpy_blas::matmul"):
+            return numpy_product(self, x)
+    return named
 
 
 def decode_steps(model, arm, registry, batch: int, steps: int, profiled: bool):
@@ -61,12 +78,12 @@ def decode_steps(model, arm, registry, batch: int, steps: int, profiled: bool):
 
 
 def breakdown(prof, num_steps: int, step_ms: float) -> dict[str, float]:
-    """Self CPU ms per decode step by category (the prefill step's share is small beside 63 decode steps)."""
+    """CPU ms per decode step by category (the prefill step's share is small beside 63 decode steps)."""
     totals = {name: 0.0 for name in CATEGORIES}
     for event in prof.key_averages():
         for name, ops in CATEGORIES.items():
             if event.key in ops:
-                totals[name] += event.self_cpu_time_total / 1e3 / (num_steps + 1)
+                totals[name] += event.cpu_time_total / 1e3 / (num_steps + 1)
     return {f"{k}_ms": v for k, v in totals.items()} | {"rest_ms": step_ms - sum(totals.values())}
 
 
@@ -81,16 +98,18 @@ def main() -> None:
     model = load_model(preset("smollm2-135m", init="pretrained"))
     arm = resolve_arm("profile", {"kv_cache": "contiguous", "attention": "sdpa"}, baseline_configs(registry), registry)
     decode_steps(model, arm, registry, args.batch, 8, profiled=False)       # warm-up: the timed choices are made
-    chosen = dict(linear._paths)
+    chosen, chosen_one_row = dict(linear._paths), dict(numpy_blas.on_numpy)
+    Linear._numpy = numpy_products_named(Linear._numpy)
     bandwidth = measure_read_bandwidth() / 1e9
+    ways = ("timed", "mkl", "onednn") + (("numpy",) if args.batch == 1 and chosen_one_row else ())
     rows = []
     for round_ in range(args.rounds):
-        for way in ("timed", "mkl", "onednn") if round_ % 2 == 0 else ("onednn", "mkl", "timed"):
-            force(way, chosen)
+        for way in ways if round_ % 2 == 0 else ways[::-1]:
+            force(way, chosen, chosen_one_row)
             step_ms, n, _ = decode_steps(model, arm, registry, args.batch, args.steps, profiled=False)
             _, _, prof = decode_steps(model, arm, registry, args.batch, args.steps, profiled=True)
             rows.append({"way": way, "round": round_, "step_ms": step_ms} | breakdown(prof, n, step_ms))
-    force("timed", chosen)
+    force("timed", chosen, chosen_one_row)
     table = pd.DataFrame(rows).groupby("way").median(numeric_only=True).drop(columns="round")
     table["weights_gb_s"] = model.weight_bytes() / table["step_ms"] / 1e6
     table["of_read_bandwidth"] = table["weights_gb_s"] / bandwidth

@@ -3,10 +3,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ablate.model import numpy_blas
 from ablate.model.config import preset
 import ablate.model.linear as linear
 from ablate.model.linear import PACKABLE, Linear
 from ablate.model.llama import LlamaModel
+
+
+@pytest.fixture(autouse=True)
+def fresh_choices(monkeypatch):
+    """Each test makes its own path choices (one-row ones included), not the process's."""
+    monkeypatch.setattr(linear, "_paths", {})
+    monkeypatch.setattr(numpy_blas, "on_numpy", {})
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17])
@@ -53,7 +61,6 @@ def test_bf16_model_keeps_row_major_weights():
 def test_the_faster_path_is_chosen_by_timing_once_and_recorded(faster, monkeypatch):
     """Whichever path the clock says is faster runs (the same product either way), chosen once per
     kind of product and listed by linear_paths()."""
-    monkeypatch.setattr(linear, "_paths", {})
     timed = []
 
     def fake_median(fn, repeats=7):
@@ -83,8 +90,8 @@ def test_row_classes_separate_decode_verify_and_prefill():
 def test_the_paths_are_timed_over_every_live_layer_of_the_shape(faster, monkeypatch):
     """A decode step streams each shape's weights from every layer; one weight timed again and again
     sits in the cache. The timing runs the product through all live layers of the same shape (not
-    those of another shape), and a losing oneDNN path gives back the packed copies it made."""
-    monkeypatch.setattr(linear, "_paths", {})
+    those of another shape), and a losing oneDNN path gives back the packed copies it made. (One-row
+    products are timed over every shape at once: tests/test_numpy_blas.py.)"""
     same = [Linear(48, 80, bias=False) for _ in range(3)]
     other = Linear(48, 96, bias=False)
     products = {id(m): 0 for m in [*same, other]}
@@ -97,7 +104,7 @@ def test_the_paths_are_timed_over_every_live_layer_of_the_shape(faster, monkeypa
     monkeypatch.setattr(Linear, "_onednn", counted)
     timings = iter([0.5, 1.0] if faster == linear.MKL else [1.0, 0.5])     # MKL is timed first
     monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (fn(), next(timings))[1])
-    x = torch.randn(1, 48)
+    x = torch.randn(4, 48)
     with torch.inference_mode():
         got = same[0](x)
     torch.testing.assert_close(got, F.linear(x, same[0].weight.detach()), atol=1e-5, rtol=1e-5)
@@ -109,7 +116,6 @@ def test_the_paths_are_timed_over_every_live_layer_of_the_shape(faster, monkeypa
 def test_products_of_many_rows_are_timed_on_one_layer(monkeypatch):
     """Past 16 rows a product reuses its weight across rows: timing it over every layer would only cost
     time (minutes for a large prefill), so one layer times it."""
-    monkeypatch.setattr(linear, "_paths", {})
     layers = [Linear(48, 80, bias=False) for _ in range(3)]
     calls = []
     monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (calls.append(len(fn())), 1.0)[1])
@@ -120,11 +126,10 @@ def test_products_of_many_rows_are_timed_on_one_layer(monkeypatch):
 
 @pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
 def test_a_losing_onednn_path_keeps_the_packed_copies_other_row_classes_use(monkeypatch):
-    monkeypatch.setattr(linear, "_paths", {})
     layers = [Linear(48, 80, bias=False) for _ in range(2)]
     with torch.inference_mode():
         layers[1]._onednn(torch.randn(20, 48))           # packed for a 17-128-row product, before any timing
-        timings = iter([0.5, 1.0])                         # MKL wins the 1-row timing
+        timings = iter([0.5, 1.0])                         # MKL wins the 2-16-row timing
         monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (fn(), next(timings))[1])
-        layers[0](torch.randn(1, 48))
+        layers[0](torch.randn(2, 48))
     assert layers[0]._packed is None and layers[1]._packed is not None

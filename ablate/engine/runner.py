@@ -13,6 +13,7 @@ from ablate.api.slots import Attention
 from ablate.api.step import Batch, StepInputs, StepLogits, device_tensor
 from ablate.engine.graphs import DecodeGraphs, graph_mode, why_not_capturable
 from ablate.model.forward import Forward
+from ablate.model.numpy_blas import one_row_step
 from ablate.model.llama import LlamaModel
 
 
@@ -112,8 +113,9 @@ class ModelRunner:
         """The eager forward pass: packed tokens -> logits (N, V) of the rows that need them."""
         compile_dense = self.graph_mode == "compile" and step.is_decode
         self.step_counts[compile_dense] += 1
-        hidden = self.model(Forward(step, self.kv_cache, self.attention, compile=compile_dense))   # (T, d)
-        return self.model.logits(hidden.index_select(0, step.logits_indices))                       # (N, V)
+        with one_row_step(step.num_tokens, self.model.lm_head.weight):
+            hidden = self.model(Forward(step, self.kv_cache, self.attention, compile=compile_dense))   # (T, d)
+            return self.model.logits(hidden.index_select(0, step.logits_indices))                   # (N, V)
 
     def graph_stats(self) -> dict[str, str | int]:
         """How decode steps ran: engine.graphs' mode and, with CUDA graphs, captures and replays."""

@@ -161,6 +161,8 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
                                     progress=say, done=done, on_round=keep, kv_free_bytes=free_bytes)
         keep(result.runs, result.requests)
         env["linear_paths"] = linear_paths()      # the CPU product paths timed during the run, recorded
+        if device.type == "cpu":
+            env["huge_pages"] = dev.huge_pages()
         folder.write_text("environment.json", json.dumps(env, indent=2, default=str))
         folder.write_table("summary", result.summary)
         folder.write_text(DECLARATIONS_FILE, result.declared.to_json())

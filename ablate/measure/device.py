@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -58,6 +59,21 @@ def describe(device: torch.device) -> dict[str, Any]:
     else:
         info |= {"device_name": _cpu_name(), "cpu_count": os.cpu_count() or 0}
     return info
+
+
+def huge_pages() -> dict[str, Any]:
+    """Whether large CPU tensors sit on transparent huge pages: the kernel's policy, PyTorch's switch
+    (set by ablate/__init__.py) and the bytes of this process on them now (read after a run: its
+    weights and caches)."""
+    policy = ""
+    with contextlib.suppress(OSError):
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        policy = re.search(r"\[(\w+)\]", text).group(1) if "[" in text else text.strip()
+    anon = 0
+    with contextlib.suppress(OSError, AttributeError):
+        anon = int(re.search(r"AnonHugePages:\s+(\d+) kB", Path("/proc/self/smaps_rollup").read_text()).group(1)) * 1024
+    return {"policy": policy, "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+            "process_bytes_on_huge_pages": anon}
 
 
 def identity(device: torch.device) -> str:

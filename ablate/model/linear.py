@@ -1,14 +1,20 @@
-"""nn.Linear that runs each CPU product on whichever of two paths is faster on this machine.
+"""nn.Linear that runs each CPU product on whichever path is fastest on this machine.
 
-A CPU product can go to MKL through `F.linear`, or to oneDNN on the weight reordered once into its
-blocked layout (what Inductor's CPU "freezing" does; here done eagerly, without compiling anything).
-Which is faster depends on the machine and the shape, so neither is fixed in the code: the first
-product of each (weight shape, dtype, class of row count, thread count) times both (median of 7
-after warm-up) and keeps the faster for the process; `linear_paths()` lists the choices and every
-run records them (environment.json). Measured on SmolLM2's shapes, 2 cores: on an AVX2 EPYC oneDNN
-ran 2-128-token products about twice as fast as MKL (4 tokens 127 -> 51 ms for the 121 products of
-one forward) while MKL's matrix-vector path won at one token; on a Zen 5 EPYC oneDNN won at one
-token too (a decode step 30 -> 16.5 ms); on another AVX-512 EPYC MKL won at one token again.
+A CPU product can go to MKL through `F.linear`, to oneDNN on the weight reordered once into its
+blocked layout (what Inductor's CPU "freezing" does; here done eagerly, without compiling anything),
+or, at one row, to numpy's BLAS (OpenBLAS in numpy's wheels). Which is fastest depends on the
+machine and the shape, so none is fixed in the code: the first product of each (weight shape, dtype,
+class of row count, thread count) times the paths (median of 7 after warm-up) and keeps the fastest
+for the process; `linear_paths()` lists the choices and every run records them (environment.json).
+Measured on SmolLM2's shapes, 2 cores: on an AVX2 EPYC oneDNN ran 2-128-token products about twice
+as fast as MKL (4 tokens 127 -> 51 ms for the 121 products of one forward) while MKL's matrix-vector
+path won at one token; on a Zen 5 EPYC oneDNN won at one token too (a decode step 30 -> 16.5 ms); on
+another AVX-512 EPYC MKL won at one token again; on a Zen 4 EPYC numpy's BLAS won it (a decode step
+37 -> 31 ms, benchmarks/decode_profile.py).
+
+One-row products are chosen for every shape at once (_choose_one_row): numpy's BLAS runs on a thread
+pool of its own, which cannot share a step with torch's (ablate/model/numpy_blas.py), so either every
+one-row product of a step goes to numpy, or each goes to the faster of MKL and oneDNN.
 
 Products of up to 16 rows are bound by reading W, so both paths are timed as a step meets them:
 over every live layer of that shape (up to MAX_TIMED_LAYERS), one after another, not one weight again
@@ -30,9 +36,9 @@ transpose of a contiguous (d_in, d_out) tensor (the same values, the strides swa
 becomes y = x @ W^T over contiguous memory (55 -> 40 ms for SmolLM2's 121 products on 2 cores). fp32
 only: PyTorch's bf16 products on a CPU without native bf16 are ~10x slower on the transposed layout.
 
-The packed copy is made on first use and remade whenever the weight changes (a new tensor, or an
-in-place edit that bumps its version), so model variants that rewrite weights stay correct. It
-costs a second copy of each weight in memory; GPU tensors, dtypes oneDNN cannot pack on this CPU
+The packed copy (and numpy's row-major copy, where that layout won) is made on first use and remade
+whenever the weight changes (a new tensor, or an in-place edit that bumps its version), so model
+variants that rewrite weights stay correct. It costs a second copy of each weight in memory; GPU tensors, dtypes oneDNN cannot pack on this CPU
 (bf16 without AVX-512 or AVX-NE-CONVERT) and `ABLATE_PACKED_LINEAR=0` use plain F.linear.
 """
 from __future__ import annotations
@@ -43,9 +49,12 @@ import statistics
 import time
 import weakref
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ablate.model import numpy_blas
 
 
 def _packable_dtypes() -> tuple[torch.dtype, ...]:
@@ -57,7 +66,7 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
 
 
 PACKABLE = _packable_dtypes()
-MKL, ONEDNN = "mkl", "onednn"
+MKL, ONEDNN, NUMPY = "mkl", "onednn", "numpy"
 _paths: dict[tuple, str] = {}    # (d_out, d_in, dtype, row class, threads) -> the faster path, timed once
 ROW_CLASSES = (1, 16, 128)       # upper bounds: 1 row, 2-16, 17-128, more
 MAX_TIMED_LAYERS = 64            # the most layers of one shape a path is timed over
@@ -81,9 +90,12 @@ def row_class_name(index: int) -> str:
 
 
 def linear_paths() -> dict[str, str]:
-    """The paths chosen in this process, for the results: "d_out x d_in dtype R rows threads" -> path."""
-    return {f"{o}x{i} {str(dtype).removeprefix('torch.')} {row_class_name(rows)} rows {threads} threads": path
-            for (o, i, dtype, rows, threads), path in sorted(_paths.items(), key=str)}
+    """The paths chosen in this process, for the results: "d_out x d_in dtype R rows threads" -> path,
+    and whether one-row steps lend their products to numpy's BLAS (one_row_step)."""
+    paths = {f"{o}x{i} {str(dtype).removeprefix('torch.')} {row_class_name(rows)} rows {threads} threads": path
+             for (o, i, dtype, rows, threads), path in sorted(_paths.items(), key=str)}
+    return paths | {f"one-row steps {str(dtype).removeprefix('torch.')} {threads} threads": NUMPY if on else "torch"
+                    for (dtype, threads), on in sorted(numpy_blas.on_numpy.items(), key=str)}
 
 
 def _median_seconds(fn, repeats: int = 7) -> float:
@@ -103,11 +115,14 @@ def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
 
 
 class Linear(nn.Linear):
-    """y = x W^T + b; on the CPU through MKL or a oneDNN-packed W, whichever is faster here (see the
-    module docstring)."""
+    """y = x W^T + b; on the CPU through MKL, a oneDNN-packed W or numpy's BLAS, whichever is fastest
+    here (see the module docstring)."""
 
     _packed: torch.Tensor | None = None
     _packed_key: tuple[int, int] | None = None
+    _numpy_wt: np.ndarray | None = None
+    _numpy_key: tuple[int, int] | None = None
+    _numpy_rows = False        # numpy's products on a row-major copy of W (_numpy_layout)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -130,27 +145,41 @@ class Linear(nn.Linear):
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in PACKABLE or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
-        key = (*w.shape, w.dtype, row_class(x.numel() // x.shape[-1]), torch.get_num_threads())
+        lent = numpy_blas.lent_threads()
+        if lent is not None and x.numel() == x.shape[-1]:
+            return self._numpy(x)                          # a one-row step lent to numpy's BLAS
+        threads = lent or torch.get_num_threads()
+        key = (*w.shape, w.dtype, row_class(x.numel() // x.shape[-1]), threads)
         path = _paths.get(key)
-        if path is None:       # the first product of its kind: time both paths, keep the faster
-            path = _paths[key] = self._faster_path(x, streamed=key[3] <= STREAMED_CLASS)
+        if path is None:       # the first product of its kind: time the paths, keep the faster
+            if key[3] == 0 and (w.dtype, threads) not in numpy_blas.on_numpy:
+                _choose_one_row(w.dtype, threads)          # every live shape's one-row path at once
+            path = _paths.get(key) or self._faster_path(x, streamed=key[3] <= STREAMED_CLASS)
+            _paths[key] = path
         return F.linear(x, w, self.bias) if path == MKL else self._onednn(x)
+
+    def _same_shape(self) -> list[Linear]:
+        """This layer and every other live one of its shape, dtype, device and bias (up to MAX_TIMED_LAYERS)."""
+        w = self.weight
+        return [self] + [m for m in list(_live) if m is not self and m.weight.shape == w.shape
+                         and m.weight.dtype == w.dtype and m.weight.device == w.device
+                         and (m.bias is None) == (self.bias is None)][:MAX_TIMED_LAYERS - 1]
 
     def _faster_path(self, x: torch.Tensor, streamed: bool) -> str:
         """MKL or oneDNN, timed on `x`: through every live layer shaped like this one when the product
         streams W (`streamed`), else through this one (the module docstring)."""
-        w = self.weight
-        layers = [self] + [m for m in list(_live) if streamed and m is not self and m.weight.shape == w.shape
-                           and m.weight.dtype == w.dtype and m.weight.device == w.device
-                           and (m.bias is None) == (self.bias is None)][:MAX_TIMED_LAYERS - 1]
-        packed_before = {id(m) for m in layers if m._packed is not None}
-        mkl = _median_seconds(lambda: [F.linear(x, m.weight, m.bias) for m in layers])
-        onednn = _median_seconds(lambda: [m._onednn(x) for m in layers])
-        if mkl <= onednn:
-            for m in layers:           # packed for the timing only: give those copies back
-                if id(m) not in packed_before:
-                    m._packed = m._packed_key = None
-        return MKL if mkl <= onednn else ONEDNN
+        return _time_torch_paths(self._same_shape() if streamed else [self], x)[0]
+
+    def _numpy(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x W^T + b through numpy's BLAS, on W as stored or on a row-major copy (_numpy_layout)."""
+        key = _weight_key(self.weight)
+        if key != self._numpy_key:
+            w = self.weight.detach()
+            self._numpy_wt = (w.contiguous() if self._numpy_rows else w).numpy().T     # (d_in, d_out)
+            self._numpy_key = key
+        y = torch.from_numpy(x.reshape(-1, x.shape[-1]).numpy() @ self._numpy_wt)    # (T, d_out)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y.add_(self.bias)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -159,6 +188,62 @@ class Linear(nn.Linear):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)   # blocked
             self._packed_key = key
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+
+def _time_torch_paths(layers: list[Linear], x: torch.Tensor) -> tuple[str, float]:
+    """MKL or oneDNN for `x` through `layers`, and its time; a losing oneDNN gives back the copies
+    packed for its timing."""
+    packed_before = {id(m) for m in layers if m._packed is not None}
+    mkl = _median_seconds(lambda: [F.linear(x, m.weight, m.bias) for m in layers])
+    onednn = _median_seconds(lambda: [m._onednn(x) for m in layers])
+    if mkl <= onednn:
+        for m in layers:
+            if id(m) not in packed_before:
+                m._packed = m._packed_key = None
+    return (MKL, mkl) if mkl <= onednn else (ONEDNN, onednn)
+
+
+def _choose_one_row(dtype: torch.dtype, threads: int) -> None:
+    """Every live shape's one-row path, timed together: numpy's BLAS for all of them (a one-row step
+    then lends it the cores: ablate/model/numpy_blas.py), or each the faster of torch's two paths. The
+    two cannot mix in one step, so the totals decide; numpy is timed as it would run, with torch on one
+    thread."""
+    shapes = {}                # one layer per shape: the timing runs through every live layer of it
+    for m in list(_live):
+        if m.weight.device.type == "cpu" and m.weight.dtype == dtype:
+            shapes.setdefault((*m.weight.shape, m.bias is None), m)
+    inputs = {layer: torch.randn(1, layer.in_features, dtype=dtype, device="cpu") for layer in shapes.values()}
+    timed = {layer: _time_torch_paths(layer._same_shape(), x) for layer, x in inputs.items()}
+    on_numpy = False
+    if dtype == torch.float32 and numpy_blas.blas_threads(threads):
+        time.sleep(0.01)       # torch's idle workers spin a while after their last parallel region
+        with numpy_blas.torch_threads(1):
+            numpy_seconds = sum(_numpy_layout(layer._same_shape(), x) for layer, x in inputs.items())
+        on_numpy = numpy_seconds < sum(seconds for _, seconds in timed.values())
+    numpy_blas.on_numpy[dtype, threads] = on_numpy
+    for layer, (path, _) in timed.items():
+        _paths[(*layer.weight.shape, dtype, 0, threads)] = path    # one-row products outside such a step
+        if not on_numpy:
+            for m in layer._same_shape():
+                m._numpy_wt = m._numpy_key = None
+
+
+def _numpy_layout(layers: list[Linear], x: torch.Tensor) -> float:
+    """numpy's time for `x` through `layers` on the faster of two layouts of W, which the layers keep:
+    W^T as stored (no copy), or a row-major copy. OpenBLAS's kernels for the two differ by shape:
+    SmolLM2's 576 x 1536 ran 35 GB/s on the copy against 22 as stored, its 3072 x 576 39 against 28."""
+    def lay_out(rows: bool) -> None:
+        for m in layers:
+            m._numpy_rows, m._numpy_key = rows, None          # made again at the next product
+
+    def seconds(rows: bool) -> float:
+        lay_out(rows)
+        return _median_seconds(lambda: [m._numpy(x) for m in layers])
+
+    as_stored, row_major = seconds(False), seconds(True)
+    if as_stored <= row_major:
+        lay_out(False)         # the copies go
+    return min(as_stored, row_major)
 
 
 # Linear._forward kept out of torch.compile; made on first use (products_stay_eager): importing

@@ -192,7 +192,10 @@ def test_the_f16_rewrite_keeps_names_and_metadata_and_norms_in_f32(gguf_cache, s
 
 @pytest.mark.slow
 @needs_llamacpp
-def test_llamacpp_f32_starts_with_ablates_greedy_tokens(smollm2, f32_gguf, registry):
+@pytest.mark.parametrize("batching", ["sequences", "one"])
+def test_llamacpp_f32_starts_with_ablates_greedy_tokens(smollm2, f32_gguf, registry, batching):
+    """Both ways llama.cpp serves a batch: its own batch of sequences (the two requests decoded together)
+    and one request at a time."""
     from ablate.api.sequence import Request
     from ablate.engine.arm import build_arm
     from ablate.engines.llamacpp import LlamaCpp
@@ -204,7 +207,7 @@ def test_llamacpp_f32_starts_with_ablates_greedy_tokens(smollm2, f32_gguf, regis
     arm = resolve_arm("ablate", {}, baseline_configs(registry), registry)
     ours = {s.seq_id: s.output_token_ids
             for s in build_arm(arm, model, EngineConfig(max_num_seqs=2), 32, registry).engine.run(requests)}
-    engine = LlamaCpp(LlamaCpp.resolve_options("test.engine", {"weights": "f32"}), model, 2)
+    engine = LlamaCpp(LlamaCpp.resolve_options("test.engine", {"weights": "f32", "batching": batching}), model, 2)
     try:
         assert engine.path == f32_gguf                  # the cached rewrite, not written again
         timeline = Timeline()
@@ -215,6 +218,9 @@ def test_llamacpp_f32_starts_with_ablates_greedy_tokens(smollm2, f32_gguf, regis
         assert len(theirs[request.request_id]) == 8
         assert theirs[request.request_id][:4] == ours[request.request_id][:4], tokenizer.decode(list(request.prompt_token_ids))
     first, second = timeline.requests[0], timeline.requests[1]
-    assert second.first_scheduled >= first.finish                  # one request at a time
+    if batching == "one":
+        assert second.first_scheduled >= first.finish              # one request at a time
+    else:
+        assert second.first_scheduled == first.first_scheduled and engine.batch_limit() == 2   # together
     assert engine.describe()["precision"] == "fp32" and engine.weight_bytes() == f32_gguf.stat().st_size
     assert engine.memory_bytes() > engine.weight_bytes() >= 4 * sum(p.numel() for p in model.parameters()) * 0.99

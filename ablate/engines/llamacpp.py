@@ -3,8 +3,11 @@
 `weights`: shipped runs the file as it is (SmolLM2's is Q4_1: a quarter of fp32's bytes, and products in
 llama.cpp's own quantised arithmetic: a different byte budget, labelled so); f32 and f16 run the same
 weights rewritten (ablate.engines.gguf_rewrite), the bytes ablate's fp32 and a half-precision engine
-stream. One request at a time: llama-cpp-python's generate() serves one sequence, and its cache is
-cleared before each request (no prefix reuse across requests or rounds: every prompt is prefilled).
+stream. `batching`: `sequences` decodes a batch of greedy requests together, llama.cpp's own batching
+across sequences (ablate/engines/llamacpp_batch.py), up to engine.max_num_seqs at once, each batch to
+its end (static batching); `one` serves one request at a time through llama-cpp-python's generate(),
+the only way for sampled requests (its samplers follow one sequence). Either way the cache is cleared
+before each batch: no prefix reuse across requests or rounds, every prompt is prefilled.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from ablate.checkpoints.loader import checkpoint_path
 from ablate.engines.batches import Emitter, OneBatchAtATime
 from ablate.engines.contract import Option
 from ablate.engines.gguf_rewrite import rewritten_gguf
+from ablate.engines.llamacpp_batch import BatchedContext
 from ablate.model.llama import LlamaModel
 
 if TYPE_CHECKING:
@@ -32,6 +36,8 @@ class LlamaCpp(OneBatchAtATime):
         "weights": Option("f32", "the GGUF it runs: shipped as is, or rewritten in f32 / f16", ("shipped", "f32", "f16")),
         "threads": Option(0, "CPU threads; 0: torch's, the same as ablate's arms"),
         "n_batch": Option(512, "prompt tokens per llama.cpp decode call"),
+        "batching": Option("sequences", "sequences: greedy requests decoded together (llama.cpp's batch); "
+                           "one: a request at a time", ("sequences", "one")),
     }
 
     def __init__(self, options: dict[str, Any], model: LlamaModel, max_batch: int) -> None:
@@ -47,21 +53,37 @@ class LlamaCpp(OneBatchAtATime):
         self.path = source if options["weights"] == "shipped" else rewritten_gguf(source, options["weights"])
         self.threads = options["threads"] or torch.get_num_threads()
         self.llm: llama_cpp.Llama | None = None
+        self.batched: BatchedContext | None = None
         self.n_ctx = 0
 
+    def _context_tokens(self, batch: list[Request]) -> int:
+        """Tokens of context each sequence needs: the batch's longest, rounded up. Sized to the workload, as
+        ablate's own cache is (its max_seq_len): llama.cpp's decode step slows with the context allocated
+        (8192 tokens of SmolLM2's context made a step ~3x slower than 512 here), so the context is not the
+        model's maximum."""
+        need = max(len(r.prompt_token_ids) + r.max_new_tokens for r in batch)
+        return -(-need // CONTEXT_ROUNDING) * CONTEXT_ROUNDING
+
     def context_for(self, request: Request) -> llama_cpp.Llama:
-        """The model with a context of at least the request's whole length. Sized to the workload, as ablate's
-        own cache is (its max_seq_len): llama.cpp's decode step slows with the context allocated (8192 tokens
-        of SmolLM2's context made a step ~3x slower than 512 here), so the context is not the model's maximum."""
+        """llama-cpp-python's Llama with a context of at least the request's whole length."""
         import llama_cpp
 
-        need = len(request.prompt_token_ids) + request.max_new_tokens
+        need = self._context_tokens([request])
         if self.llm is None or need > self.n_ctx:
             self.close()
-            self.n_ctx = -(-need // CONTEXT_ROUNDING) * CONTEXT_ROUNDING
+            self.n_ctx = need
             self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=self.n_ctx, n_threads=self.threads,
                                        n_threads_batch=self.threads, n_batch=self.opts["n_batch"], verbose=False)
         return self.llm
+
+    def batched_context_for(self, batch: list[Request]) -> BatchedContext:
+        """A context for batch_limit() sequences, each of at least the batch's longest length."""
+        need = self._context_tokens(batch)
+        if self.batched is None or need > self.batched.per_sequence:
+            self.close()
+            self.batched = BatchedContext(self.path, self.batch_limit(), need, self.threads, self.opts["n_batch"])
+            self.n_ctx = self.batch_limit() * need
+        return self.batched
 
     @classmethod
     def is_exact(cls, options: dict[str, Any]) -> bool:
@@ -69,12 +91,13 @@ class LlamaCpp(OneBatchAtATime):
 
     def describe(self) -> dict[str, str]:
         file_type = {"shipped": f"shipped ({self.path.name})", "f32": "F32 rewrite", "f16": "F16 rewrite"}
+        batching = {"sequences": "static (llama.cpp's batch of sequences)", "one": "one request at a time"}
         return {"precision": {"shipped": "gguf-as-shipped", "f32": "fp32", "f16": "fp16"}[self.opts["weights"]],
-                "weights": file_type[self.opts["weights"]], "batching": "one request at a time",
+                "weights": file_type[self.opts["weights"]], "batching": batching[self.opts["batching"]],
                 "threads": str(self.threads)}
 
     def batch_limit(self) -> int:
-        return 1
+        return self.max_batch if self.opts["batching"] == "sequences" else 1
 
     def weight_bytes(self) -> int:
         return self.path.stat().st_size
@@ -86,7 +109,16 @@ class LlamaCpp(OneBatchAtATime):
         return self.weight_bytes() + self.n_ctx * c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2
 
     def generate(self, batch: list[Request], emit: Emitter) -> None:
-        (request,) = batch
+        if self.opts["batching"] == "sequences" and all(r.sampling.is_greedy for r in batch):
+            ids = [r.request_id for r in batch]
+            context = self.batched_context_for(batch)
+            context.generate_greedy([r.prompt_token_ids for r in batch],
+                                    lambda i, token: emit(ids[i], [token]) or emit.done(ids[i]))
+            return
+        for request in batch:             # sampled: llama.cpp's samplers, one sequence at a time
+            self.generate_one(request, emit)
+
+    def generate_one(self, request: Request, emit: Emitter) -> None:
         llm = self.context_for(request)
         sampling = request.sampling
         if sampling.is_greedy:
@@ -106,3 +138,6 @@ class LlamaCpp(OneBatchAtATime):
         if self.llm is not None:
             self.llm.close()
             self.llm = None
+        if self.batched is not None:
+            self.batched.close()
+            self.batched = None

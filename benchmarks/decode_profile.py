@@ -1,16 +1,18 @@
 """What ablate's decode step spends its time on: matrix products, attention, norms and the rest.
 
-    .venv/bin/python benchmarks/decode_profile.py [--batch 1] [--steps 64] [--rounds 3] [--out DIR]
+    .venv/bin/python benchmarks/decode_profile.py [--batch 1] [--kv contiguous] [--steps 64] [--rounds 3] [--out DIR]
 
-SmolLM2-135M-Instruct fp32 (contiguous KV cache, SDPA), 128-token prompts, greedy. The CPU products
-run several ways, interleaved round by round in one process: `timed` (the paths ablate.model.linear
-times at run time: what every run uses), `mkl` and `onednn` (every product of a decode step forced
-onto one of torch's paths) and, at batch 1, `numpy` (every one-token step lent to numpy's BLAS,
-ablate/model/numpy_blas.py). Per way: the decode step's median time from the engine's recorder, and a
-torch.profiler breakdown of the same steps per step: the products (mkldnn::_linear_pointwise,
-aten::mm/addmm, numpy's matmul), attention (scaled_dot_product_*) and RMSNorm (aten::rms_norm with
-the operations it is made of), and the rest; beside it the weights' bytes per step over the step
-time against the machine's read bandwidth (a 1 GiB buffer, measured here).
+SmolLM2-135M-Instruct fp32 (SDPA over a contiguous KV cache, or over a paged one's blocks gathered
+per step: --kv paged, as the engines_serving experiment runs), 128-token prompts, greedy. The CPU
+products run several ways, interleaved round by round in one process: `timed` (the paths
+ablate.model.linear times at run time: what every run uses), `mkl` and `onednn` (every product of up
+to 16 rows forced onto one of torch's paths) and, at batch 1, `numpy` (every one-token step lent to
+numpy's BLAS, ablate/model/numpy_blas.py); past 16 rows only `timed`. Per way: the decode step's
+median time from the engine's recorder, and a torch.profiler breakdown of the same steps, per step:
+the products (mkldnn::_linear_pointwise, aten::mm/addmm, numpy's matmul), the attention and KV-cache
+slots (the plugins' whole calls), RMSNorm (aten::rms_norm and the operations it is made of) and the
+rest; beside it the weights' bytes per step over the step time against the machine's read bandwidth
+(a 1 GiB buffer, measured here), and the products' arithmetic rate (2 flops per weight per row).
 """
 from __future__ import annotations
 
@@ -31,11 +33,14 @@ from ablate.measure.device import measure_read_bandwidth
 from ablate.measure.recorder import Recorder
 from ablate.model import linear, numpy_blas
 from ablate.model.config import preset
+from ablate.model.forward import Forward
 from ablate.model.linear import Linear
 
-# category -> the profiler events it sums (their total time: RMSNorm is made of several operations)
+# category -> the profiler events it sums (their total time: RMSNorm is made of several operations;
+# the attention and KV-cache slots are named around their plugins' calls, gathers from blocks included)
 CATEGORIES = {"products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "numpy_blas::matmul"),
-              "attention": ("aten::scaled_dot_product_attention",),
+              "attention": ("slot::attention",),
+              "kv_cache": ("slot::kv_cache",),
               "rms_norm": ("aten::rms_norm",)}
 
 
@@ -51,12 +56,12 @@ def force(way: str, chosen: dict, chosen_one_row: dict) -> None:
         numpy_blas.on_numpy.update({k: way == "numpy" for k in chosen_one_row})
 
 
-def numpy_products_named(numpy_product):
-    """Linear._numpy as a profiler event of its own (numpy's matmul is not a torch operation)."""
-    def named(self, x):
-        with record_function("numpy_blas::matmul"):
-            return numpy_product(self, x)
-    return named
+def named(method, event: str):
+    """`method` as a profiler event of its own: numpy's matmul (not a torch operation), a slot's call."""
+    def run(*args):
+        with record_function(event):
+            return method(*args)
+    return run
 
 
 def decode_steps(model, arm, registry, batch: int, steps: int, profiled: bool):
@@ -92,16 +97,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kv", choices=("contiguous", "paged"), default="contiguous",
+                        help="the KV cache (paged: its blocks gathered for SDPA, as engines_serving runs)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     registry = default_registry()
     model = load_model(preset("smollm2-135m", init="pretrained"))
-    arm = resolve_arm("profile", {"kv_cache": "contiguous", "attention": "sdpa"}, baseline_configs(registry), registry)
+    arm = resolve_arm("profile", {"kv_cache": args.kv, "attention": "sdpa"}, baseline_configs(registry), registry)
     decode_steps(model, arm, registry, args.batch, 8, profiled=False)       # warm-up: the timed choices are made
     chosen, chosen_one_row = dict(linear._paths), dict(numpy_blas.on_numpy)
-    Linear._numpy = numpy_products_named(Linear._numpy)
+    Linear._numpy = named(Linear._numpy, "numpy_blas::matmul")
+    Forward.attend, Forward.store = named(Forward.attend, "slot::attention"), named(Forward.store, "slot::kv_cache")
     bandwidth = measure_read_bandwidth() / 1e9
-    ways = ("timed", "mkl", "onednn") + (("numpy",) if args.batch == 1 and chosen_one_row else ())
+    # past 16 rows a step's products keep their timed paths whatever the way: one way to run
+    ways = ("timed",) if args.batch > 16 else ("timed", "mkl", "onednn") + (("numpy",) if args.batch == 1 else ())
     rows = []
     for round_ in range(args.rounds):
         for way in ways if round_ % 2 == 0 else ways[::-1]:
@@ -113,12 +122,15 @@ def main() -> None:
     table = pd.DataFrame(rows).groupby("way").median(numeric_only=True).drop(columns="round")
     table["weights_gb_s"] = model.weight_bytes() / table["step_ms"] / 1e6
     table["of_read_bandwidth"] = table["weights_gb_s"] / bandwidth
+    # 2 flops per weight per row (the embedding table counted once, as the tied LM head)
+    table["products_gflop_s"] = 2 * args.batch * model.weight_bytes() / 4 / table["products_ms"] / 1e6
     print(f"read bandwidth {bandwidth:.1f} GB/s (1 GiB buffer); {torch.get_num_threads()} threads; batch {args.batch}; "
           f"timed choices: {linear.linear_paths()}")
     print(table.to_markdown(floatfmt=".3g"))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        table.assign(read_bandwidth_gb_s=bandwidth).to_csv(args.out / f"decode_profile_b{args.batch}.csv")
+        name = f"decode_profile_b{args.batch}" + ("_paged" if args.kv == "paged" else "")
+        table.assign(read_bandwidth_gb_s=bandwidth).to_csv(args.out / f"{name}.csv")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ rest; beside it the weights' bytes per step over the step time against the machi
 """
 from __future__ import annotations
 
+import ablate  # noqa: F401  (first: it bounds numpy's BLAS workers' spinning before numpy loads)
 import argparse
 from pathlib import Path
 

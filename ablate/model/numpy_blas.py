@@ -6,13 +6,18 @@ three). It runs on a thread pool of its own, and two busy pools on the same core
 after each parallel region the idle workers of one spin while the other's need the core (SmolLM2's
 decode step took 260 ms instead of 35 on 2 cores). So a step whose products are all one row, when
 numpy carries them, lends the cores to numpy: torch's own operations (norms, RoPE, attention over a
-few hundred keys) run on the calling thread, and numpy's BLAS on as many threads as torch had.
+few hundred keys) run on the calling thread, and numpy's BLAS on as many threads as torch had. After
+such a step numpy's workers must not spin on into torch's next one: ablate/__init__.py bounds their
+spinning before numpy loads.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
+
+import ablate
 
 on_numpy: dict[tuple[torch.dtype, int], bool] = {}   # (dtype, torch threads) -> one-row steps on numpy, timed once
 _lent: int | None = None      # torch's threads while a one-row step has lent them to numpy
@@ -36,8 +41,12 @@ def torch_threads(threads: int):
 
 def blas_threads(threads: int) -> bool:
     """numpy's BLAS set to `threads` threads (through threadpoolctl); False where it cannot be (no
-    threadpoolctl, or a BLAS it does not know)."""
+    threadpoolctl, or a BLAS it does not know) or should not be: ABLATE_NUMPY_LINEAR=0, or numpy
+    loaded before ablate could bound its workers' spinning (ablate/__init__.py), so that every step
+    after a one-row step would share the cores with them."""
     global _blas
+    if _blas is None and (not ablate.NUMPY_SPIN_BOUNDED or os.environ.get("ABLATE_NUMPY_LINEAR", "1") == "0"):
+        _blas = False
     if _blas is None:
         try:
             from threadpoolctl import ThreadpoolController

@@ -8,7 +8,8 @@ products run several ways, interleaved round by round in one process: `timed` (t
 ablate.model.linear times at run time: what every run uses), `mkl` and `onednn` (every product of up
 to 16 rows forced onto one of torch's paths) and, at batch 1, `numpy` (every one-token step lent to
 numpy's BLAS, ablate/model/numpy_blas.py); past 16 rows only `timed`. Per way: the decode step's
-median time from the engine's recorder, and a torch.profiler breakdown of the same steps, per step:
+median time from the engine's recorder, and a torch.profiler breakdown of the same steps run again,
+each category's share of the profiled step applied to the unprofiled one:
 the products (mkldnn::_linear_pointwise, aten::mm/addmm, numpy's matmul), the attention and KV-cache
 slots (the plugins' whole calls), RMSNorm (aten::rms_norm and the operations it is made of) and the
 rest; beside it the weights' bytes per step over the step time against the machine's read bandwidth
@@ -31,7 +32,7 @@ from ablate.checkpoints.loader import load_model
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.engine.registry import default_registry
 from ablate.measure.device import measure_read_bandwidth
-from ablate.measure.recorder import Recorder
+from ablate.measure.recorder import Recorder, StepHook
 from ablate.model import linear, numpy_blas
 from ablate.model.config import preset
 from ablate.model.forward import Forward
@@ -65,32 +66,47 @@ def named(method, event: str):
     return run
 
 
+class DecodeProfile(StepHook):
+    """torch.profiler over the decode steps only: from the first step without a prompt in it to the
+    end of the run (a 64-request prefill would swamp a few decode steps)."""
+
+    def __init__(self) -> None:
+        self.prof = profile(activities=[ProfilerActivity.CPU])
+        self.started = False
+
+    def on_step_start(self, batch, at: float) -> None:
+        prompt = any(s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs)
+        if not self.started and not prompt:
+            self.prof.start()
+            self.started = True
+
+
 def decode_steps(model, arm, registry, batch: int, steps: int, profiled: bool):
-    recorders = []
-    built = build_arm(arm, model, EngineConfig(max_num_seqs=batch), 128 + steps + 8, registry,
-                      lambda kv: recorders.append(Recorder(kv)) or recorders)
+    recorders, profiler = [], DecodeProfile()
+    engine = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(4096, 128 * batch))   # one prefill step
+    built = build_arm(arm, model, engine, 128 + steps + 8, registry,
+                      lambda kv: [recorders.append(Recorder(kv)) or recorders[-1]] + ([profiler] if profiled else []))
     requests = [Request(i, tuple(range(100 + i, 228 + i)), steps) for i in range(batch)]
     try:
-        if profiled:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                built.engine.run(requests)
-        else:
-            prof = None
-            built.engine.run(requests)
+        built.engine.run(requests)
     finally:
+        if profiler.started:
+            profiler.prof.stop()
         built.close()
     decode = [s.end - s.start for s in recorders[0].steps if s.num_prefill_seqs == 0]
-    return float(np.median(decode)) * 1e3, len(decode), prof
+    return float(np.median(decode)) * 1e3, len(decode), profiler.prof if profiled else None
 
 
-def breakdown(prof, num_steps: int, step_ms: float) -> dict[str, float]:
-    """CPU ms per decode step by category (the prefill step's share is small beside 63 decode steps)."""
+def breakdown(prof, num_steps: int, profiled_ms: float, step_ms: float) -> dict[str, float]:
+    """ms per decode step by category: each category's share of the profiled step (the profiler slows
+    what it records) applied to the unprofiled step time; the rest is what no category holds."""
     totals = {name: 0.0 for name in CATEGORIES}
     for event in prof.key_averages():
         for name, ops in CATEGORIES.items():
             if event.key in ops:
-                totals[name] += event.cpu_time_total / 1e3 / (num_steps + 1)
-    return {f"{k}_ms": v for k, v in totals.items()} | {"rest_ms": step_ms - sum(totals.values())}
+                totals[name] += event.cpu_time_total / 1e3 / num_steps
+    scaled = {f"{k}_ms": v * step_ms / profiled_ms for k, v in totals.items()}
+    return scaled | {"rest_ms": step_ms - sum(scaled.values())}
 
 
 def main() -> None:
@@ -117,8 +133,8 @@ def main() -> None:
         for way in ways if round_ % 2 == 0 else ways[::-1]:
             force(way, chosen, chosen_one_row)
             step_ms, n, _ = decode_steps(model, arm, registry, args.batch, args.steps, profiled=False)
-            _, _, prof = decode_steps(model, arm, registry, args.batch, args.steps, profiled=True)
-            rows.append({"way": way, "round": round_, "step_ms": step_ms} | breakdown(prof, n, step_ms))
+            profiled_ms, n, prof = decode_steps(model, arm, registry, args.batch, args.steps, profiled=True)
+            rows.append({"way": way, "round": round_, "step_ms": step_ms} | breakdown(prof, n, profiled_ms, step_ms))
     force("timed", chosen, chosen_one_row)
     table = pd.DataFrame(rows).groupby("way").median(numeric_only=True).drop(columns="round")
     table["weights_gb_s"] = model.weight_bytes() / table["step_ms"] / 1e6

@@ -173,3 +173,17 @@ def test_a_batch_1_decode_step_runs_its_products_on_numpy(ablate_registry, monke
     products_per_step = sum(isinstance(m, Linear) for m in model.modules())
     assert len(lent) == 11 * products_per_step and set(lent) == {1}     # 11 decode steps after the prefill
     assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("why", ["switched off", "numpy loaded first"])
+def test_no_numpy_path_when_switched_off_or_when_its_workers_spin_unbounded(why, monkeypatch):
+    """ABLATE_NUMPY_LINEAR=0 turns the path off; so does a numpy loaded before ablate bounded its
+    workers' spinning (they would take the cores from torch's next steps)."""
+    import ablate
+
+    monkeypatch.setattr(numpy_blas, "_blas", None)
+    if why == "switched off":
+        monkeypatch.setenv("ABLATE_NUMPY_LINEAR", "0")
+    else:
+        monkeypatch.setattr(ablate, "NUMPY_SPIN_BOUNDED", False)
+    assert not numpy_blas.blas_threads(torch.get_num_threads())

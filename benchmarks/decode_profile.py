@@ -127,7 +127,8 @@ def main() -> None:
     Forward.attend, Forward.store = named(Forward.attend, "slot::attention"), named(Forward.store, "slot::kv_cache")
     bandwidth = measure_read_bandwidth() / 1e9
     # past 16 rows a step's products keep their timed paths whatever the way: one way to run
-    ways = ("timed",) if args.batch > 16 else ("timed", "mkl", "onednn") + (("numpy",) if args.batch == 1 else ())
+    numpy = args.batch == 1 and numpy_blas.blas_threads(torch.get_num_threads())
+    ways = ("timed",) if args.batch > 16 else ("timed", "mkl", "onednn") + (("numpy",) if numpy else ())
     rows = []
     for round_ in range(args.rounds):
         for way in ways if round_ % 2 == 0 else ways[::-1]:

@@ -59,7 +59,7 @@ def test_composed_config_is_what_the_cli_hands_over(offline_job):
     assert set(env["tf32"]) == {"cuda_matmul_allow_tf32", "cudnn_allow_tf32", "float32_matmul_precision"}
     assert env["free_memory_bytes_at_start"] > 0
     assert env["huge_pages"]["thp_mem_alloc_enable"] == "1"         # set by ablate/__init__.py, recorded
-    assert env["huge_pages"]["process_bytes_on_huge_pages"] >= 0 and "policy" in env["huge_pages"]
+    assert set(env["huge_pages"]) == {"policy", "thp_mem_alloc_enable", "process_bytes_on_huge_pages"}
     runs = load(folder.path).runs
     assert set(runs["dtype"]) == {"fp32"}
 

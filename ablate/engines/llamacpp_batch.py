@@ -80,10 +80,9 @@ class BatchedContext:
         for start in range(0, len(entries), self.n_batch):
             chunk = entries[start:start + self.n_batch]
             self._decode(chunk)
-            rows = [i for i, e in enumerate(chunk) if e[3]]
-            for row in rows:
-                seq = chunk[row][1]
-                last[seq] = (self._argmax(row), len(prompts[seq]))
+            for row, (_, seq, _, wants_logits) in enumerate(chunk):
+                if wants_logits:
+                    last[seq] = (self._argmax(row), len(prompts[seq]))
         running = [seq for seq in range(len(prompts)) if not emit(seq, last[seq][0])]
         while running:
             position_limit = [seq for seq in running if last[seq][1] >= self.per_sequence]

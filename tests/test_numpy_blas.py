@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import ablate.model.linear as linear
-from ablate.model import numpy_blas
+from ablate.model import native, numpy_blas
 from ablate.model.linear import PACKABLE, Linear
 
 pytestmark = pytest.mark.skipif(torch.float32 not in PACKABLE or not numpy_blas.blas_threads(torch.get_num_threads()),
@@ -25,20 +25,24 @@ def only_these_layers(monkeypatch):
 @pytest.fixture
 def clock(monkeypatch):
     """A fake clock: each timing costs what `costs` says for the path it ran (mkl, onednn,
-    numpy-stored, numpy-rows); `products` counts the products run on each path."""
-    costs, ran, products = {}, [], {}
-    onednn, numpy = Linear._onednn, Linear._numpy
+    numpy-stored, numpy-rows, native: slowest unless a test says otherwise); `products` counts the
+    products run on each path."""
+    costs, ran, products = {"native": 10.0}, [], {}
+    onednn, numpy, matvec = Linear._onednn, Linear._numpy, native.matvec
+
+    def count(name: str) -> None:
+        ran.append(name)
+        products[name] = products.get(name, 0) + 1
 
     def counted(path, method):
         def run(self, x):
-            name = path(self)
-            ran.append(name)
-            products[name] = products.get(name, 0) + 1
+            count(path(self))
             return method(self, x)
         return run
 
     monkeypatch.setattr(Linear, "_onednn", counted(lambda self: "onednn", onednn))
     monkeypatch.setattr(Linear, "_numpy", counted(lambda self: "numpy-rows" if self._numpy_rows else "numpy-stored", numpy))
+    monkeypatch.setattr(native, "matvec", lambda *args: count("native") or matvec(*args))
 
     def median(fn, repeats=7):
         ran.clear()
@@ -84,7 +88,8 @@ def test_numpy_wins_every_one_row_product_when_its_total_is_faster(clock):
         assert numpy_blas.on_numpy == {(torch.float32, threads): True}
         assert linear.linear_paths() == {f"80x48 float32 1 rows {threads} threads": "onednn",
                                          f"48x80 float32 1 rows {threads} threads": "onednn",
-                                         f"one-row steps float32 {threads} threads": "numpy"}
+                                         f"one-row steps float32 {threads} threads": "numpy",
+                                         "native kernels": native.unavailable_reason() or "built"}
         products.clear()
         with numpy_blas.one_row_step(1, layers[0].weight):
             assert torch.get_num_threads() == 1    # torch's own operations on the calling thread

@@ -2,7 +2,8 @@
 
 A CPU product can go to MKL through `F.linear`, to oneDNN on the weight reordered once into its
 blocked layout (what Inductor's CPU "freezing" does; here done eagerly, without compiling anything),
-or, at one row, to numpy's BLAS (OpenBLAS in numpy's wheels). Which is fastest depends on the
+or, at one fp32 row, to ablate's own matrix-vector kernel (ablate/model/native.py, built here) or
+to numpy's BLAS (OpenBLAS in numpy's wheels). Which is fastest depends on the
 machine and the shape, so none is fixed in the code: the first product of each (weight shape, dtype,
 class of row count, thread count) times the paths (median of 7 after warm-up) and keeps the fastest
 for the process; `linear_paths()` lists the choices and every run records them (environment.json).
@@ -14,7 +15,9 @@ another AVX-512 EPYC MKL won at one token again; on a Zen 4 EPYC numpy's BLAS wo
 
 One-row products are chosen for every shape at once (_choose_one_row): numpy's BLAS runs on a thread
 pool of its own, which cannot share a step with torch's (ablate/model/numpy_blas.py), so either every
-one-row product of a step goes to numpy, or each goes to the faster of MKL and oneDNN.
+one-row product of a step goes to numpy, or each goes to the fastest of MKL, oneDNN and the native
+kernel (which shares torch's thread pool). Where the native kernel wins a shape, that shape's weights
+are laid out row-major, its layout, in place of MKL's (no second copy).
 
 Products of up to 16 rows are bound by reading W, so both paths are timed as a step meets them:
 over every live layer of that shape (up to MAX_TIMED_LAYERS), one after another, not one weight again
@@ -38,8 +41,9 @@ only: PyTorch's bf16 products on a CPU without native bf16 are ~10x slower on th
 
 The packed copy (and numpy's row-major copy, where that layout won) is made on first use and remade
 whenever the weight changes (a new tensor, or an in-place edit that bumps its version), so model
-variants that rewrite weights stay correct. It costs a second copy of each weight in memory; GPU tensors, dtypes oneDNN cannot pack on this CPU
-(bf16 without AVX-512 or AVX-NE-CONVERT) and `ABLATE_PACKED_LINEAR=0` use plain F.linear.
+variants that rewrite weights stay correct. It costs a second copy of each weight in memory; GPU
+tensors, dtypes oneDNN cannot pack on this CPU (bf16 without AVX-512 or AVX-NE-CONVERT) and
+`ABLATE_PACKED_LINEAR=0` use plain F.linear.
 """
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ablate.model import numpy_blas
+from ablate.model import native, numpy_blas
 
 
 def _packable_dtypes() -> tuple[torch.dtype, ...]:
@@ -66,7 +70,7 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
 
 
 PACKABLE = _packable_dtypes()
-MKL, ONEDNN, NUMPY = "mkl", "onednn", "numpy"
+MKL, ONEDNN, NUMPY, NATIVE = "mkl", "onednn", "numpy", "native"
 _paths: dict[tuple, str] = {}    # (d_out, d_in, dtype, row class, threads) -> the faster path, timed once
 ROW_CLASSES = (1, 16, 128)       # upper bounds: 1 row, 2-16, 17-128, more
 MAX_TIMED_LAYERS = 64            # the most layers of one shape a path is timed over
@@ -94,8 +98,9 @@ def linear_paths() -> dict[str, str]:
     and whether one-row steps lend their products to numpy's BLAS (one_row_step)."""
     paths = {f"{o}x{i} {str(dtype).removeprefix('torch.')} {row_class_name(rows)} rows {threads} threads": path
              for (o, i, dtype, rows, threads), path in sorted(_paths.items(), key=str)}
-    return paths | {f"one-row steps {str(dtype).removeprefix('torch.')} {threads} threads": NUMPY if on else "torch"
-                    for (dtype, threads), on in sorted(numpy_blas.on_numpy.items(), key=str)}
+    steps = {f"one-row steps {str(dtype).removeprefix('torch.')} {threads} threads": NUMPY if on else "torch"
+             for (dtype, threads), on in sorted(numpy_blas.on_numpy.items(), key=str)}
+    return paths | steps | {"native kernels": native.unavailable_reason() or "built"}
 
 
 def _median_seconds(fn, repeats: int = 7) -> float:
@@ -156,7 +161,16 @@ class Linear(nn.Linear):
                 _choose_one_row(w.dtype, threads)          # every live shape's one-row path at once
             path = _paths.get(key) or self._faster_path(x, streamed=key[3] <= STREAMED_CLASS)
             _paths[key] = path
+        if path == NATIVE:
+            self.row_major()                               # once: where the timing did not already
+            return native.matvec(self.weight, x, self.bias, threads)
         return F.linear(x, w, self.bias) if path == MKL else self._onednn(x)
+
+    def row_major(self) -> None:
+        """Lay W out row-major, the native kernel's layout; values and shape unchanged."""
+        if not self.weight.is_contiguous():
+            with torch.no_grad():
+                self.weight.data = self.weight.data.contiguous()
 
     def _same_shape(self) -> list[Linear]:
         """This layer and every other live one of its shape, dtype, device and bias (up to MAX_TIMED_LAYERS)."""
@@ -168,7 +182,7 @@ class Linear(nn.Linear):
     def _faster_path(self, x: torch.Tensor, streamed: bool) -> str:
         """MKL or oneDNN, timed on `x`: through every live layer shaped like this one when the product
         streams W (`streamed`), else through this one (the module docstring)."""
-        return _time_torch_paths(self._same_shape() if streamed else [self], x)[0]
+        return _time_paths(self._same_shape() if streamed else [self], x)[0]
 
     def _numpy(self, x: torch.Tensor) -> torch.Tensor:
         """y = x W^T + b through numpy's BLAS, on W as stored or on a row-major copy (_numpy_layout)."""
@@ -190,30 +204,38 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
-def _time_torch_paths(layers: list[Linear], x: torch.Tensor) -> tuple[str, float]:
-    """MKL or oneDNN for `x` through `layers`, and its time; a losing oneDNN gives back the copies
-    packed for its timing."""
+def _time_paths(layers: list[Linear], x: torch.Tensor) -> tuple[str, float]:
+    """The fastest path for `x` through `layers`, and its time: MKL, oneDNN, or for one fp32 row the
+    native kernel (timed on row-major copies, which become the weights where it wins). A losing
+    oneDNN gives back the copies packed for its timing."""
     packed_before = {id(m) for m in layers if m._packed is not None}
-    mkl = _median_seconds(lambda: [F.linear(x, m.weight, m.bias) for m in layers])
-    onednn = _median_seconds(lambda: [m._onednn(x) for m in layers])
-    if mkl <= onednn:
-        for m in layers:
-            if id(m) not in packed_before:
-                m._packed = m._packed_key = None
-    return (MKL, mkl) if mkl <= onednn else (ONEDNN, onednn)
+    seconds = {MKL: _median_seconds(lambda: [F.linear(x, m.weight, m.bias) for m in layers]),
+               ONEDNN: _median_seconds(lambda: [m._onednn(x) for m in layers])}
+    if x.numel() == x.shape[-1] and x.dtype == torch.float32 and native.available():
+        threads = torch.get_num_threads()
+        rows = [m.weight.detach().contiguous() for m in layers]
+        seconds[NATIVE] = _median_seconds(lambda: [native.matvec(w, x, m.bias, threads) for w, m in zip(rows, layers)])
+    path = min(seconds, key=seconds.get)
+    for i, m in enumerate(layers):
+        if path != ONEDNN and id(m) not in packed_before:
+            m._packed = m._packed_key = None
+        if path == NATIVE:
+            with torch.no_grad():
+                m.weight.data = rows[i]
+    return path, seconds[path]
 
 
 def _choose_one_row(dtype: torch.dtype, threads: int) -> None:
     """Every live shape's one-row path, timed together: numpy's BLAS for all of them (a one-row step
-    then lends it the cores: ablate/model/numpy_blas.py), or each the faster of torch's two paths. The
-    two cannot mix in one step, so the totals decide; numpy is timed as it would run, with torch on one
-    thread."""
+    then lends it the cores: ablate/model/numpy_blas.py), or each the fastest of MKL, oneDNN and the
+    native kernel. The two cannot mix in one step, so the totals decide; numpy is timed as it would
+    run, with torch on one thread."""
     shapes = {}                # one layer per shape: the timing runs through every live layer of it
     for m in list(_live):
         if m.weight.device.type == "cpu" and m.weight.dtype == dtype:
             shapes.setdefault((*m.weight.shape, m.bias is None), m)
     inputs = {layer: torch.randn(1, layer.in_features, dtype=dtype, device="cpu") for layer in shapes.values()}
-    timed = {layer: _time_torch_paths(layer._same_shape(), x) for layer, x in inputs.items()}
+    timed = {layer: _time_paths(layer._same_shape(), x) for layer, x in inputs.items()}
     on_numpy = False
     if dtype == torch.float32 and numpy_blas.blas_threads(threads):
         time.sleep(0.01)       # torch's idle workers spin a while after their last parallel region

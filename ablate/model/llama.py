@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ablate.model.config import ModelConfig
+from ablate.model import native
 from ablate.model.linear import Linear
 from ablate.model.mla import MultiHeadLatentAttention
 from ablate.model.rope import apply_rope, rotary_embedding
@@ -32,7 +33,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x / sqrt(mean(x^2) + eps) * w, normalised in fp32 as the reference implementations do
-        if x.dtype == torch.float32:      # one fused kernel, the weight included
+        if (x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
+                and x.numel() <= native.NORM_ROWS * x.shape[-1] and not torch.compiler.is_compiling()
+                and native.available()):  # a few rows: one call, not torch's six operations
+            return native.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
 

@@ -1,0 +1,173 @@
+"""ablate's native CPU kernels (ablate/model/native.py): built here, equal to torch's arithmetic,
+sharing torch's threads, timed against the other product paths, and absent without a compiler."""
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ablate.model.linear as linear
+from ablate.model import native, numpy_blas
+from ablate.model.config import preset
+from ablate.model.linear import PACKABLE, Linear
+from ablate.model.llama import LlamaModel, RMSNorm
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"no native kernels: {native.unavailable_reason()}")
+
+
+@pytest.fixture
+def fresh_choices(monkeypatch):
+    """Path choices made afresh, among the layers a test makes."""
+    monkeypatch.setattr(linear, "_paths", {})
+    monkeypatch.setattr(numpy_blas, "on_numpy", {})
+    monkeypatch.setattr(linear, "_live", weakref.WeakSet())
+
+
+@pytest.fixture
+def unbuilt(monkeypatch, tmp_path):
+    """native.py as in a fresh process, caching its builds under tmp_path."""
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_reason", None)
+    monkeypatch.setenv("ABLATE_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+@needs_native
+@pytest.mark.parametrize("d_out, d_in", [(80, 48), (7, 5), (33, 100), (17, 16), (1, 1), (960, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matvec_computes_f_linear(d_out, d_in, bias, threads):
+    """Whole and partial blocks of 8 rows, inputs shorter than and not a multiple of one vector."""
+    torch.manual_seed(0)
+    w, x = torch.randn(d_out, d_in), torch.randn(1, d_in)
+    b = torch.randn(d_out) if bias else None
+    got = native.matvec(w, x, b, threads)
+    assert got.shape == (1, d_out)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 576), (3, 576), (16, 100), (1, 1, 7)])
+def test_rms_norm_computes_torchs(shape):
+    torch.manual_seed(0)
+    x, w = torch.randn(shape), torch.randn(shape[-1])
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-5), F.rms_norm(x, shape[-1:], w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, native.NORM_ROWS, native.NORM_ROWS + 1])
+def test_rmsnorm_takes_the_kernel_for_a_few_rows_only(rows, monkeypatch):
+    calls = []
+    kernel = native.rms_norm
+    monkeypatch.setattr(native, "rms_norm", lambda *args: calls.append(1) or kernel(*args))
+    norm = RMSNorm(24, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(rows, 24)
+    with torch.inference_mode():
+        got = norm(x)
+    assert len(calls) == (rows <= native.NORM_ROWS)
+    torch.testing.assert_close(got, F.rms_norm(x, (24,), norm.weight.detach(), 1e-6), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="no /proc to read the loaded libraries from")
+def test_one_openmp_runtime_in_the_process():
+    """The kernels' parallel regions run on torch's OpenMP pool: a second runtime would bring a second
+    pool of workers spinning against torch's on the same cores."""
+    native.library()
+    gomp = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert len(gomp) <= 1, gomp
+
+
+@needs_native
+def test_the_build_is_cached_by_source_compiler_and_cpu(unbuilt, monkeypatch):
+    assert native.available()
+    [built] = unbuilt.glob("native-*.so")
+    mtime = built.stat().st_mtime_ns
+    monkeypatch.setattr(native, "_lib", None)
+    assert native.available() and built.stat().st_mtime_ns == mtime       # loaded, not built again
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_cpu_signature", lambda: "another CPU")
+    assert native.available() and len(list(unbuilt.glob("native-*.so"))) == 2
+
+
+@pytest.mark.parametrize("why", ["no compiler", "switched off"])
+def test_without_the_kernels_products_and_norms_take_torchs_paths(why, unbuilt, fresh_choices, monkeypatch):
+    if why == "no compiler":
+        monkeypatch.setenv("CC", str(unbuilt / "no-such-cc"))
+    else:
+        monkeypatch.setenv("ABLATE_NATIVE", "0")
+    assert not native.available()
+    reason = native.unavailable_reason()
+    assert ("no-such-cc" in reason) if why == "no compiler" else ("ABLATE_NATIVE=0" in reason)
+    model = LlamaModel.random(preset("tiny"))
+    x = torch.randn(1, model.config.d_model)
+    with torch.inference_mode():
+        got = model.layers[0].mlp(model.layers[0].mlp_norm(x))
+    assert linear.linear_paths()["native kernels"] == reason
+    assert linear.NATIVE not in linear.linear_paths().values()
+    mlp = model.layers[0].mlp
+    h = F.rms_norm(x, x.shape[-1:], model.layers[0].mlp_norm.weight, model.config.norm_eps)
+    gate, up = F.linear(h, mlp.w_gate_up.weight).split(mlp.d_ff, dim=-1)
+    torch.testing.assert_close(got, F.linear(F.silu(gate) * up, mlp.w_down.weight), atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+@pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
+def test_where_the_kernel_wins_its_weights_become_row_major_in_place(fresh_choices, monkeypatch):
+    """The clock says native: every layer of the shape runs on it, on a row-major W that replaced the
+    stored layout (no second copy), with the same values."""
+    costs = iter([1.0, 1.0, 0.5])           # per shape: MKL, oneDNN, then native (numpy: not offered)
+    monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (fn(), next(costs))[1])
+    monkeypatch.setattr(numpy_blas, "blas_threads", lambda threads: False)
+    layers = [Linear(48, 80, bias=True) for _ in range(2)]
+    for m in layers:
+        m.input_major()
+    want = [m.weight.detach().clone() for m in layers]
+    calls = []
+    kernel = native.matvec
+    monkeypatch.setattr(native, "matvec", lambda *args: calls.append(1) or kernel(*args))
+    x = torch.randn(1, 48)
+    with torch.inference_mode():
+        layers[0](x)
+        calls.clear()
+        got = layers[1](x)
+    assert calls == [1]
+    assert all(m.weight.is_contiguous() and torch.equal(m.weight, w) and m._packed is None for m, w in zip(layers, want))
+    assert linear.linear_paths()[f"80x48 float32 1 rows {torch.get_num_threads()} threads"] == linear.NATIVE
+    torch.testing.assert_close(got, F.linear(x, want[1], layers[1].bias), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_a_batch_1_decode_on_the_kernels_gives_torchs_tokens(ablate_registry, monkeypatch):
+    """Through the engine: every one-token product on the native kernel (and RMSNorm on its own)
+    gives the greedy tokens of torch's paths."""
+    from ablate.api.context import EngineConfig
+    from ablate.api.sequence import Request
+    from ablate.testing.scenarios import build
+
+    model = LlamaModel.random(preset("tiny"))
+    threads = torch.get_num_threads()
+    products = {(*m.weight.shape, torch.float32, 0, threads) for m in model.modules() if isinstance(m, Linear)}
+
+    def tokens(path: str | None) -> list[int]:
+        monkeypatch.setattr(linear, "_paths", {key: path for key in products} if path else {})
+        monkeypatch.setattr(numpy_blas, "on_numpy", {(torch.float32, threads): False})
+        built = build(ablate_registry, {"kv_cache": "contiguous", "attention": "sdpa"}, model, EngineConfig(), 64)
+        try:
+            return built.engine.run([Request(0, tuple(range(3, 19)), 12)])[0].output_token_ids
+        finally:
+            built.close()
+
+    with monkeypatch.context() as off:
+        off.setattr(native, "_lib", None)
+        off.setattr(native, "_reason", "off")
+        want = tokens(linear.MKL)
+    calls = []
+    kernel = native.matvec
+    monkeypatch.setattr(native, "matvec", lambda *args: calls.append(1) or kernel(*args))
+    assert tokens(linear.NATIVE) == want
+    # 11 decode steps, and the prefill's logits (of its last token only: one row)
+    assert len(calls) == 11 * len([m for m in model.modules() if isinstance(m, Linear)]) + 1

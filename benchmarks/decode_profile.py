@@ -5,20 +5,25 @@
 SmolLM2-135M-Instruct fp32 (SDPA over a contiguous KV cache, or over a paged one's blocks gathered
 per step: --kv paged, as the engines_serving experiment runs), 128-token prompts, greedy. The CPU
 products run several ways, interleaved round by round in one process: `timed` (the paths
-ablate.model.linear times at run time: what every run uses), `mkl` and `onednn` (every product of up
-to 16 rows forced onto one of torch's paths) and, at batch 1, `numpy` (every one-token step lent to
-numpy's BLAS, ablate/model/numpy_blas.py); past 16 rows only `timed`. Per way: the decode step's
-median time from the engine's recorder, and a torch.profiler breakdown of the same steps run again,
-each category's share of the profiled step applied to the unprofiled one:
-the products (mkldnn::_linear_pointwise, aten::mm/addmm, numpy's matmul), the attention and KV-cache
-slots (the plugins' whole calls), RMSNorm (aten::rms_norm and the operations it is made of) and the
-rest; beside it the weights' bytes per step over the step time against the machine's read bandwidth
-(a 1 GiB buffer, measured here), and the products' arithmetic rate (2 flops per weight per row).
+ablate.model.linear times at run time: what every run uses), `no native` (the same, timed and run
+without ablate's native kernels, ablate/model/native.py: its products and its RMSNorm), `mkl` and
+`onednn` (every product of up to 16 rows forced onto one of torch's paths), and at batch 1 `numpy`
+(every one-token step lent to numpy's BLAS, ablate/model/numpy_blas.py) and `native` (every one-row
+product on the native kernel); past 16 rows only `timed` (the native kernels take at most 16). Where the native kernel
+won a shape, its weights are row-major for every way after (MKL's one-row path prefers W^T).
+Per way: the decode step's median time from the engine's recorder, and a torch.profiler breakdown of
+the same steps run again, each category's share of the profiled step applied to the unprofiled one:
+the products (mkldnn::_linear_pointwise, aten::mm/addmm, numpy's matmul, the native matvec), the
+attention and KV-cache slots (the plugins' whole calls), RMSNorm (aten::rms_norm and the operations
+it is made of, or the native kernel) and the rest; beside it the weights' bytes per step over the
+step time against the machine's read bandwidth (a 1 GiB buffer, measured here), and the products'
+arithmetic rate (2 flops per weight per row).
 """
 from __future__ import annotations
 
 import ablate  # noqa: F401  (first: it bounds numpy's BLAS workers' spinning before numpy loads)
 import argparse
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -33,29 +38,44 @@ from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.engine.registry import default_registry
 from ablate.measure.device import measure_read_bandwidth
 from ablate.measure.recorder import Recorder, StepHook
-from ablate.model import linear, numpy_blas
+from ablate.model import linear, native, numpy_blas
 from ablate.model.config import preset
 from ablate.model.forward import Forward
 from ablate.model.linear import Linear
 
 # category -> the profiler events it sums (their total time: RMSNorm is made of several operations;
 # the attention and KV-cache slots are named around their plugins' calls, gathers from blocks included)
-CATEGORIES = {"products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "numpy_blas::matmul"),
+CATEGORIES = {"products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "numpy_blas::matmul",
+                           "native::matvec"),
               "attention": ("slot::attention",),
               "kv_cache": ("slot::kv_cache",),
-              "rms_norm": ("aten::rms_norm",)}
+              "rms_norm": ("aten::rms_norm", "native::rms_norm")}
 
 
 def force(way: str, chosen: dict, chosen_one_row: dict) -> None:
-    """Every 1-row (decode at batch 1) or 2-16-row product onto `way`, or back to the timed choices."""
+    """Every 1-row (decode at batch 1) or 2-16-row product onto `way` (the native kernel: 1-row
+    products only), or back to the choices timed with (`timed`) or without (`no native`) it."""
     linear._paths.clear()
     numpy_blas.on_numpy.clear()
-    if way == "timed":
-        linear._paths.update(chosen)
-        numpy_blas.on_numpy.update(chosen_one_row)
+    if way in ("timed", "no native"):
+        linear._paths.update(chosen[way])
+        numpy_blas.on_numpy.update(chosen_one_row[way])
     else:
-        linear._paths.update({k: (way if k[3] < 2 and way != "numpy" else v) for k, v in chosen.items()})
-        numpy_blas.on_numpy.update({k: way == "numpy" for k in chosen_one_row})
+        rows = 1 if way == "native" else 2
+        linear._paths.update({k: (way if k[3] < rows and way != "numpy" else v) for k, v in chosen["timed"].items()})
+        numpy_blas.on_numpy.update({k: way == "numpy" for k in chosen_one_row["timed"]})
+
+
+@contextlib.contextmanager
+def native_kernels(on: bool):
+    """ablate's native kernels (products and RMSNorm) on, or off as where they cannot be built."""
+    saved = native._lib, native._reason
+    if not on:
+        native._lib, native._reason = None, "off for this way"
+    try:
+        yield
+    finally:
+        native._lib, native._reason = saved
 
 
 def named(method, event: str):
@@ -121,22 +141,30 @@ def main() -> None:
     registry = default_registry()
     model = load_model(preset("smollm2-135m", init="pretrained"))
     arm = resolve_arm("profile", {"kv_cache": args.kv, "attention": "sdpa"}, baseline_configs(registry), registry)
-    decode_steps(model, arm, registry, args.batch, 8, profiled=False)       # warm-up: the timed choices are made
-    chosen, chosen_one_row = dict(linear._paths), dict(numpy_blas.on_numpy)
+    chosen, chosen_one_row = {}, {}
+    for way in ("no native", "timed"):          # warm-ups: the timed choices are made, without and with
+        force(way, {way: {}}, {way: {}})          # the native kernels (where they win, a shape's weights
+        with native_kernels(way == "timed"):      # become row-major: the torch paths run on that layout after)
+            decode_steps(model, arm, registry, args.batch, 8, profiled=False)
+        chosen[way], chosen_one_row[way] = dict(linear._paths), dict(numpy_blas.on_numpy)
     Linear._numpy = named(Linear._numpy, "numpy_blas::matmul")
+    native.matvec, native.rms_norm = named(native.matvec, "native::matvec"), named(native.rms_norm, "native::rms_norm")
     Forward.attend, Forward.store = named(Forward.attend, "slot::attention"), named(Forward.store, "slot::kv_cache")
     bandwidth = measure_read_bandwidth() / 1e9
     # past 16 rows a step's products keep their timed paths whatever the way: one way to run
     numpy = args.batch == 1 and numpy_blas.blas_threads(torch.get_num_threads())
-    ways = ("timed",) if args.batch > 16 else ("timed", "mkl", "onednn") + (("numpy",) if numpy else ())
+    ways = ("timed",) if args.batch > 16 else (("timed", "no native", "mkl", "onednn") + (("numpy",) if numpy else ())
+                                               + (("native",) if args.batch == 1 and native.available() else ()))
     rows = []
     for round_ in range(args.rounds):
         for way in ways if round_ % 2 == 0 else ways[::-1]:
             force(way, chosen, chosen_one_row)
-            step_ms, n, _ = decode_steps(model, arm, registry, args.batch, args.steps, profiled=False)
-            profiled_ms, n, prof = decode_steps(model, arm, registry, args.batch, args.steps, profiled=True)
+            with native_kernels(way != "no native"):
+                step_ms, n, _ = decode_steps(model, arm, registry, args.batch, args.steps, profiled=False)
+                profiled_ms, n, prof = decode_steps(model, arm, registry, args.batch, args.steps, profiled=True)
             rows.append({"way": way, "round": round_, "step_ms": step_ms} | breakdown(prof, n, profiled_ms, step_ms))
     force("timed", chosen, chosen_one_row)
+    print(f"choices without the native kernels: {chosen['no native']}")
     table = pd.DataFrame(rows).groupby("way").median(numeric_only=True).drop(columns="round")
     table["weights_gb_s"] = model.weight_bytes() / table["step_ms"] / 1e6
     table["of_read_bandwidth"] = table["weights_gb_s"] / bandwidth

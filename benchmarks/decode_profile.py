@@ -1,9 +1,11 @@
 """What ablate's decode step spends its time on: matrix products, attention, norms and the rest.
 
-    .venv/bin/python benchmarks/decode_profile.py [--batch 1] [--kv contiguous] [--steps 64] [--rounds 3] [--out DIR]
+    .venv/bin/python benchmarks/decode_profile.py [--batch 1] [--kv contiguous] [--attention sdpa] [--steps 64]
+                                                  [--rounds 3] [--out DIR]
 
 SmolLM2-135M-Instruct fp32 (SDPA over a contiguous KV cache, or over a paged one's blocks gathered
-per step: --kv paged, as the engines_serving experiment runs), 128-token prompts, greedy. The CPU
+per step: --kv paged; or, with --kv paged --attention paged, the paged-decode kernel reading the
+blocks in place, as the engines_serving experiment runs), 128-token prompts, greedy. The CPU
 products run several ways, interleaved round by round in one process: `timed` (the paths
 ablate.model.linear times at run time: what every run uses), `no native` (the same, timed and run
 without ablate's native kernels, ablate/model/native.py: its products and its RMSNorm), `mkl` and
@@ -136,11 +138,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv", choices=("contiguous", "paged"), default="contiguous",
                         help="the KV cache (paged: its blocks gathered for SDPA, as engines_serving runs)")
+    parser.add_argument("--attention", choices=("sdpa", "paged"), default="sdpa",
+                        help="paged (with --kv paged): decode attention reading the blocks in place")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     registry = default_registry()
     model = load_model(preset("smollm2-135m", init="pretrained"))
-    arm = resolve_arm("profile", {"kv_cache": args.kv, "attention": "sdpa"}, baseline_configs(registry), registry)
+    arm = resolve_arm("profile", {"kv_cache": args.kv, "attention": args.attention}, baseline_configs(registry),
+                      registry)
     chosen, chosen_one_row = {}, {}
     for way in ("no native", "timed"):          # warm-ups: the timed choices are made, without and with
         force(way, {way: {}}, {way: {}})          # the native kernels (where they win, a shape's weights
@@ -175,7 +180,8 @@ def main() -> None:
     print(table.to_markdown(floatfmt=".3g"))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"decode_profile_b{args.batch}" + ("_paged" if args.kv == "paged" else "")
+        name = f"decode_profile_b{args.batch}" + ("_paged" if args.kv == "paged" else "") + (
+            "_paged_attention" if args.attention == "paged" else "")
         table.assign(read_bandwidth_gb_s=bandwidth).to_csv(args.out / f"{name}.csv")
 
 

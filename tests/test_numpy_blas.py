@@ -113,6 +113,7 @@ def test_torch_keeps_one_row_products_when_numpy_is_slower_in_total(clock):
         layers[0](torch.randn(1, 48))
         assert numpy_blas.on_numpy == {(torch.float32, torch.get_num_threads()): False}
         assert all(m._numpy_wt is None for m in layers)         # numpy's arrays given back
+        assert all(m._native_packed is None for m in layers)    # and the losing native kernel's copies
         threads = torch.get_num_threads()
         with numpy_blas.one_row_step(1, layers[0].weight):
             assert torch.get_num_threads() == threads

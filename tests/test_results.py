@@ -81,7 +81,8 @@ def test_results_load_returns_the_documented_tables(offline_job):
     reserved = runs.groupby("arm")["kv_reserved_peak_bytes"].unique()
     assert list(reserved["baseline"]) == [0]
     assert list(reserved["kv_cache=contiguous"]) == [8 * 12 * KV_BYTES_PER_TOKEN]   # 8 slots x (8 + 4) tokens
-    np.testing.assert_array_equal(runs["peak_memory_bytes"], runs["weight_bytes"] + runs["kv_reserved_peak_bytes"])
+    np.testing.assert_array_equal(runs["peak_memory_bytes"],
+                                  runs["weight_bytes"] + runs["weight_copy_bytes"] + runs["kv_reserved_peak_bytes"])
     assert (runs["steps"] == 4).all()
 
     req = res.requests

@@ -24,6 +24,7 @@ from ablate.measure.memory import TensorMemoryTracker, cuda_peak_since, resident
 from ablate.measure.metrics import request_table, roofline, summarise
 from ablate.measure.quality import runner_perplexity
 from ablate.measure.recorder import Recorder
+from ablate.model.linear import copy_bytes
 from ablate.model.llama import LlamaModel
 
 
@@ -126,18 +127,21 @@ def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: E
             requests_df = pd.DataFrame()
         row["kv_bytes_per_token"] = built.kv_cache.bytes_per_token
         row["weight_bytes"] = arm_model.weight_bytes()
+        row["weight_copy_bytes"] = copy_bytes(arm_model)   # the CPU product paths' packed copies
         row["dtype"] = arm_model.config.dtype           # resolved (model.dtype=auto: bf16 on CUDA, fp32 on the CPU)
         # peak memory: the arm's own CUDA allocator peak (run_once's docstring); on the CPU the tensors
-        # we track (weights + KV) and RSS
+        # we track (weights, their packed copies, KV) and RSS
         if on_gpu:
             row["peak_memory_bytes"] = (cuda_peak_since(device, allocated_before)
                                         + resident_weight_bytes(arm_model, model))
         else:
-            row["peak_memory_bytes"] = row["weight_bytes"] + row.get("kv_reserved_peak_bytes", 0)
+            row["peak_memory_bytes"] = (row["weight_bytes"] + row["weight_copy_bytes"]
+                                        + row.get("kv_reserved_peak_bytes", 0))
         if isinstance(tracker, TensorMemoryTracker):
             # weights and KV held before the run, plus everything the run allocated that was live at once
             row["tracked_peak_bytes"] = tracker.peak_bytes
-            row["peak_memory_bytes"] = row["weight_bytes"] + kv_reserved_before + tracker.peak_bytes
+            row["peak_memory_bytes"] = (row["weight_bytes"] + row["weight_copy_bytes"] + kv_reserved_before
+                                        + tracker.peak_bytes)
         row["rss_bytes"] = dev.process_rss_bytes()
         row["attention_backend"] = built.plugins[Slot.ATTENTION].backend
         row |= built.stats()

@@ -16,8 +16,7 @@ another AVX-512 EPYC MKL won at one token again; on a Zen 4 EPYC numpy's BLAS wo
 One-row products are chosen for every shape at once (_choose_one_row): numpy's BLAS runs on a thread
 pool of its own, which cannot share a step with torch's (ablate/model/numpy_blas.py), so either every
 one-row product of a step goes to numpy, or each goes to the fastest of MKL, oneDNN and the native
-kernel (which shares torch's thread pool). Where the native kernel wins a shape, that shape's weights
-are laid out row-major, its layout, in place of MKL's (no second copy).
+kernel (which shares torch's thread pool).
 
 Products of up to 16 rows are bound by reading W, so both paths are timed as a step meets them:
 over every live layer of that shape (up to MAX_TIMED_LAYERS), one after another, not one weight again
@@ -39,9 +38,10 @@ transpose of a contiguous (d_in, d_out) tensor (the same values, the strides swa
 becomes y = x @ W^T over contiguous memory (55 -> 40 ms for SmolLM2's 121 products on 2 cores). fp32
 only: PyTorch's bf16 products on a CPU without native bf16 are ~10x slower on the transposed layout.
 
-The packed copy (and numpy's row-major copy, where that layout won) is made on first use and remade
-whenever the weight changes (a new tensor, or an in-place edit that bumps its version), so model
-variants that rewrite weights stay correct. It costs a second copy of each weight in memory; GPU
+The packed copies (oneDNN's blocked layout, the native kernel's, and numpy's row-major copy where that
+layout won) are made on first use and remade whenever the weight changes (a new tensor, or an
+in-place edit that bumps its version), so model variants that rewrite weights stay correct. Each
+costs a copy of the weights in memory, kept only for the paths the timing chose; GPU
 tensors, dtypes oneDNN cannot pack on this CPU (bf16 without AVX-512 or AVX-NE-CONVERT) and
 `ABLATE_PACKED_LINEAR=0` use plain F.linear.
 """
@@ -103,6 +103,17 @@ def linear_paths() -> dict[str, str]:
     return paths | steps | {"native kernels": native.unavailable_reason() or "built"}
 
 
+def copy_bytes(model: nn.Module) -> int:
+    """Bytes of the weight copies `model`'s products keep beside the weights (the packed layouts of
+    oneDNN and the native kernel, numpy's row-major copies): memory the model holds as it runs."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            total += sum(c.numel() * c.element_size() for c in (m._packed, m._native_packed) if c is not None)
+            total += m._numpy_wt.nbytes if m._numpy_wt is not None and m._numpy_rows else 0
+    return total
+
+
 def _median_seconds(fn, repeats: int = 7) -> float:
     fn()
     fn()                       # warm-up: the packed copy, the caches
@@ -128,6 +139,8 @@ class Linear(nn.Linear):
     _numpy_wt: np.ndarray | None = None
     _numpy_key: tuple[int, int] | None = None
     _numpy_rows = False        # numpy's products on a row-major copy of W (_numpy_layout)
+    _native_packed: torch.Tensor | None = None
+    _native_key: tuple[int, int] | None = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -162,15 +175,8 @@ class Linear(nn.Linear):
             path = _paths.get(key) or self._faster_path(x, streamed=key[3] <= STREAMED_CLASS)
             _paths[key] = path
         if path == NATIVE:
-            self.row_major()                               # once: where the timing did not already
-            return native.matvec(self.weight, x, self.bias, threads)
+            return self._native(x, threads)
         return F.linear(x, w, self.bias) if path == MKL else self._onednn(x)
-
-    def row_major(self) -> None:
-        """Lay W out row-major, the native kernel's layout; values and shape unchanged."""
-        if not self.weight.is_contiguous():
-            with torch.no_grad():
-                self.weight.data = self.weight.data.contiguous()
 
     def _same_shape(self) -> list[Linear]:
         """This layer and every other live one of its shape, dtype, device and bias (up to MAX_TIMED_LAYERS)."""
@@ -195,6 +201,13 @@ class Linear(nn.Linear):
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y.add_(self.bias)
 
+    def _native(self, x: torch.Tensor, threads: int) -> torch.Tensor:
+        """One row through the native kernel, on W packed into its layout (native.pack_rows)."""
+        key = _weight_key(self.weight)
+        if key != self._native_key:
+            self._native_packed, self._native_key = native.pack_rows(self.weight), key
+        return native.matvec(self._native_packed, x, self.bias, self.out_features, threads)
+
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         key = _weight_key(w)
@@ -206,22 +219,19 @@ class Linear(nn.Linear):
 
 def _time_paths(layers: list[Linear], x: torch.Tensor) -> tuple[str, float]:
     """The fastest path for `x` through `layers`, and its time: MKL, oneDNN, or for one fp32 row the
-    native kernel (timed on row-major copies, which become the weights where it wins). A losing
-    oneDNN gives back the copies packed for its timing."""
+    native kernel. A losing oneDNN or native kernel gives back the copies packed for its timing."""
     packed_before = {id(m) for m in layers if m._packed is not None}
     seconds = {MKL: _median_seconds(lambda: [F.linear(x, m.weight, m.bias) for m in layers]),
                ONEDNN: _median_seconds(lambda: [m._onednn(x) for m in layers])}
     if x.numel() == x.shape[-1] and x.dtype == torch.float32 and native.available():
         threads = torch.get_num_threads()
-        rows = [m.weight.detach().contiguous() for m in layers]
-        seconds[NATIVE] = _median_seconds(lambda: [native.matvec(w, x, m.bias, threads) for w, m in zip(rows, layers)])
+        seconds[NATIVE] = _median_seconds(lambda: [m._native(x, threads) for m in layers])
     path = min(seconds, key=seconds.get)
-    for i, m in enumerate(layers):
+    for m in layers:
         if path != ONEDNN and id(m) not in packed_before:
             m._packed = m._packed_key = None
-        if path == NATIVE:
-            with torch.no_grad():
-                m.weight.data = rows[i]
+        if path != NATIVE:
+            m._native_packed = m._native_key = None
     return path, seconds[path]
 
 

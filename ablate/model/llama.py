@@ -33,9 +33,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x / sqrt(mean(x^2) + eps) * w, normalised in fp32 as the reference implementations do
-        if (x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
-                and x.numel() <= native.NORM_ROWS * x.shape[-1] and not torch.compiler.is_compiling()
-                and native.available()):  # a few rows: one call, not torch's six operations
+        if native.takes(x) and self.weight.dtype == torch.float32:   # a few rows: one call, not six
             return native.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
@@ -84,7 +82,10 @@ class SwiGLU(nn.Module):
         self.w_down = Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).split(self.d_ff, dim=-1)
+        gate_up = self.w_gate_up(x)                                          # (T, 2 F)
+        if native.takes(gate_up):                                            # a few rows: one call, not three
+            return self.w_down(native.silu_mul(gate_up))
+        gate, up = gate_up.split(self.d_ff, dim=-1)
         return self.w_down(F.silu(gate) * up)
 
 

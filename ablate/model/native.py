@@ -1,11 +1,16 @@
-"""ablate's own CPU kernels (native.c): a matrix-vector product and RMSNorm, compiled here.
+"""ablate's own CPU kernels (native.c): a matrix-vector product, RMSNorm and paged decode
+attention, compiled here.
 
 Why: at one row a product reads each weight once, so a decode step at batch 1 runs at the speed its
-weights stream from memory. On a Zen 4 EPYC (2 threads, 33 GB/s read bandwidth) MKL's matrix-vector
-path streamed SmolLM2's 121 products at 16 GB/s, oneDNN's at 21 and numpy's OpenBLAS at 22, while a
-plain loop that reads each thread's band of rows front to back and prefetches a block ahead reached
-26-30. It is one more path that ablate/model/linear.py times against the others, not a replacement.
+weights stream from memory. In SmolLM2's decode step on a Zen 4 EPYC (2 threads, 35 GB/s read
+bandwidth; benchmarks/decode_profile.py) oneDNN streamed the products' 538 MB at 21 GB/s and numpy's
+OpenBLAS at 22, while a plain loop that reads each thread's band of rows front to back, prefetching
+a block ahead, reached 27. It is one more path that ablate/model/linear.py times against the others,
+not a replacement.
 And torch's RMSNorm on a CPU is six operations; for a few rows their dispatch is the whole cost.
+Decode attention over a paged cache (attention=paged, through ablate.api.native) reads each block
+where it lies, where the PyTorch path gathers every sequence's blocks into padded K/V first and then
+runs one SDPA call over many one-query heads.
 
 Built on first use with the machine's C compiler (`CC`, default cc): -O3 -march=native for this
 CPU's vector units, -fopenmp for threads. The library is cached under ABLATE_CACHE_DIR (default
@@ -28,12 +33,18 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-# RMSNorm takes the native kernel up to this many rows (a decode batch, a verify pass): there torch's
-# cost is its six operations' dispatch; past it, its threads are worth their start-up
-NORM_ROWS = 16
+# RMSNorm, RoPE and SwiGLU's activation take the native kernels up to this many tokens (a decode
+# batch, a verify pass): there torch's cost is its operations' dispatch (six for RMSNorm, six for RoPE,
+# three for the activation), each against caches the weights just evicted; past it, torch's threads
+# are worth their start-up
+SMALL_ROWS = 16
+# paged_decode_attention keeps a task's running outputs (query heads per KV head x D) and one block's
+# scores in arrays on its thread's stack: bounded so that they fit any thread's stack with room to spare
+MAX_TASK_FLOATS = 32768
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None        # why the kernels are unavailable, once known
 
@@ -85,6 +96,12 @@ def library() -> ctypes.CDLL | None:
         lib.matvec.restype = None
         lib.rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float]
         lib.rms_norm.restype = None
+        lib.rope.argtypes = [p, p, p, p, i64, i64, i64]
+        lib.rope.restype = None
+        lib.silu_mul.argtypes = [p, p, i64, i64]
+        lib.silu_mul.restype = None
+        lib.paged_decode_attention.argtypes = [p] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
+        lib.paged_decode_attention.restype = None
         _lib = lib
     return _lib
 
@@ -98,13 +115,27 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def matvec(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-    """x W^T + b for one row x (..., d_in) and a row-major fp32 W (d_out, d_in) on the CPU -> (..., d_out)."""
+def takes(x: torch.Tensor) -> bool:
+    """Whether the elementwise kernels (rms_norm, rope, silu_mul) take x, tokens first: fp32 on the
+    CPU, at most SMALL_ROWS tokens, outside torch.compile (which cannot trace a ctypes call), built."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] <= SMALL_ROWS
+            and not torch.compiler.is_compiling() and available())
+
+
+def pack_rows(w: torch.Tensor) -> torch.Tensor:
+    """W (d_out, d_in) in matvec's layout (native.c): (ceil(d_out / 8), ceil(d_in / 16), 8, 16), each
+    block of 8 rows stored 16 columns at a time, zeros past d_out and d_in."""
     d_out, d_in = w.shape
+    padded = F.pad(w.detach(), (0, -d_in % 16, 0, -d_out % 8))                 # (d_out', d_in')
+    return padded.view(padded.shape[0] // 8, 8, padded.shape[1] // 16, 16).transpose(1, 2).contiguous()
+
+
+def matvec(packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, d_out: int, threads: int) -> torch.Tensor:
+    """x W^T + b for one row x (..., d_in), W fp32 on the CPU packed by pack_rows -> (..., d_out)."""
     x = x.contiguous()
-    y = torch.empty(*x.shape[:-1], d_out, dtype=w.dtype, device=w.device)
-    library().matvec(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                     d_out, d_in, threads)
+    y = torch.empty(*x.shape[:-1], d_out, dtype=x.dtype, device=x.device)
+    library().matvec(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                     d_out, x.shape[-1], threads)
     return y
 
 
@@ -114,3 +145,58 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x)
     library().rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps)
     return y
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) rotated by cos, sin (T, 1, D), rotate-half layout (ablate/model/rope.py) -> (T, H, D)."""
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    y = torch.empty_like(x)
+    library().rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), *x.shape)
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up (T, 2F) = [gate | up] -> (T, F)."""
+    gate_up = gate_up.contiguous()
+    rows, f = gate_up.shape[0], gate_up.shape[-1] // 2
+    y = torch.empty(*gate_up.shape[:-1], f, dtype=gate_up.dtype, device=gate_up.device)
+    library().silu_mul(gate_up.data_ptr(), y.data_ptr(), rows, f)
+    return y
+
+
+def paged_decode_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """Why paged_decode_attention cannot take these tensors, or None: q (B, H, D), caches
+    (num_blocks, block_size, H_kv, D)."""
+    if not available():
+        return f"no native kernels ({unavailable_reason()})"
+    if {q.device.type, k_cache.device.type, v_cache.device.type} != {"cpu"}:
+        return "the native kernel runs on the CPU only"
+    if {q.dtype, k_cache.dtype, v_cache.dtype} != {torch.float32}:
+        return f"the native kernel takes fp32 only, got q {q.dtype} and a {k_cache.dtype} cache"
+    if k_cache.shape != v_cache.shape or q.shape[-1] != k_cache.shape[-1]:
+        return (f"the native kernel needs K and V of one width, that of the queries: q {tuple(q.shape)}, "
+                f"K {tuple(k_cache.shape)}, V {tuple(v_cache.shape)}")
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    if heads % kv_heads:
+        return f"{heads} query heads do not divide into {kv_heads} KV heads"
+    if heads // kv_heads * q.shape[-1] + k_cache.shape[1] > MAX_TASK_FLOATS:
+        return (f"{heads // kv_heads} query heads per KV head x D={q.shape[-1]} plus blocks of {k_cache.shape[1]} "
+                f"exceed the kernel's {MAX_TASK_FLOATS} floats a task")
+    return None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, threads: int, sm_scale: float | None = None) -> torch.Tensor:
+    """One query per sequence over its blocks, read in place -> (B, H, D). q (B, H, D) fp32; caches
+    (num_blocks, block_size, H_kv, D) fp32; block_tables (B, max_blocks) and context_lens (B) int32.
+    The caller has checked paged_decode_problem()."""
+    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    batch, heads, dim = q.shape
+    out = torch.empty_like(q)
+    scale = dim ** -0.5 if sm_scale is None else sm_scale
+    library().paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                                     lens.data_ptr(), out.data_ptr(), batch, heads, k_cache.shape[2], dim,
+                                     k_cache.shape[1], tables.shape[1], scale, threads)
+    return out

@@ -1,15 +1,18 @@
-"""attention=paged: decode attention that reads K/V through block tables, with a Triton kernel.
+"""attention=paged: decode attention that reads K/V through block tables, in a kernel.
 
-Decode steps (one query per sequence) call ablate_kernels.paged_decode_attention, which walks each
-sequence's block table inside the kernel, where Triton can run (a CUDA GPU, or the CPU under
-TRITON_INTERPRET=1) and the kernel takes the shapes (ablate_attention.flash.unsupported_shape: a
-head dim that is a power of two in 16..256, K and V of that same width, fp16/bf16/fp32). Elsewhere,
-and for steps that feed more than one token (prefill, chunks), the PyTorch path gathers every
-sequence's blocks through its table into (B, S, H_kv, D) and runs SDPA under the causal mask.
+Decode steps (one query per sequence) walk each sequence's block table inside a kernel: on a GPU
+ablate_kernels.paged_decode_attention (Triton; it also runs on the CPU under TRITON_INTERPRET=1, for
+tests) where it takes the shapes (ablate_attention.flash.unsupported_shape: a head dim that is a
+power of two in 16..256, K and V of that same width, fp16/bf16/fp32); on the CPU ablate's native
+kernel (ablate.api.native: C compiled here, fp32, one task per sequence and KV head). Elsewhere, and
+for steps that feed more than one token (prefill, chunks), the PyTorch path gathers every sequence's
+blocks through its table into (B, S, H_kv, D) and runs SDPA under the causal mask.
 
-backend=triton refuses, when the plugin is built, a device or a model the kernel cannot take;
-backend=auto falls back to the PyTorch path per call, warning once per reason in the process. The
-backend that ran is recorded per kind of step, with the reason when the kernel was passed over.
+backend=auto takes Triton on a GPU and the native kernel on the CPU (else Triton where the interpreter
+is on, else the gather); backend=triton and backend=native refuse, when the plugin is built, a device
+or a model their kernel cannot take; auto falls back to the PyTorch path per call, warning once per
+reason in the process. The backend that ran is recorded per kind of step, with the reason when the
+kernel was passed over.
 """
 from __future__ import annotations
 
@@ -19,19 +22,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ablate.api import native
 from ablate.api import (Attention, BuildContext, KVView, PagedKV, PluginConfig, Requirement, Slot, Stat, StepInputs,
                         causal_mask, pad_queries, unpad_queries)
 from ablate_attention.flash import unsupported_shape
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "native", "torch")
 _warned: set[str] = set()   # fallback reasons already warned about: once per process, not once per arm
 
 
 @dataclass
 class PagedAttentionConfig(PluginConfig):
     name: str = "paged"
-    # auto: the Triton kernel for decode steps where it can run, else the PyTorch gather (warned once);
-    # triton: refuse to build where it cannot run; torch: always the PyTorch gather
+    # auto: the device's kernel for decode steps (Triton on a GPU, native on the CPU) where it can run,
+    # else the PyTorch gather (warned once); triton, native: refuse to build where that kernel cannot
+    # run; torch: always the PyTorch gather
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -48,19 +53,30 @@ def gathered_attention(q: torch.Tensor, view: KVView, step: StepInputs) -> torch
     return unpad_queries(out.transpose(1, 2), step)            # (T, H, D)
 
 
-def decode_shape_problem(ctx: BuildContext) -> str | None:
-    """Why the kernel cannot take this model's decode steps, as far as the build context tells, or None.
-
-    MHA decodes queries of model.head_dim over the cache's K and V widths; MLA's absorbed decode
-    queries the cached rows [c, k^R] themselves, K = V = those rows (kv_latent_dim + rope_head_dim)."""
+def decode_widths(ctx: BuildContext) -> tuple[int, int, int]:
+    """The widths of a decode step's q, K and V. MHA decodes queries of model.head_dim over the cache's
+    K and V widths; MLA's absorbed decode queries the cached rows [c, k^R] themselves, K = V = those
+    rows (kv_latent_dim + rope_head_dim)."""
     spec = ctx.kv_spec
     if getattr(ctx.model.config, "attention_kind", "mha") == "mla":
-        widths = (spec.k_head_dim, spec.k_head_dim, spec.k_head_dim)
-    else:
-        widths = (ctx.model.config.head_dim, spec.k_head_dim, spec.v_head_dim)
+        return spec.k_head_dim, spec.k_head_dim, spec.k_head_dim
+    return ctx.model.config.head_dim, spec.k_head_dim, spec.v_head_dim
+
+
+def decode_shape_problem(ctx: BuildContext) -> str | None:
+    """Why the Triton kernel cannot take this model's decode steps, as far as the build context tells, or None."""
     # shape-only stand-ins: the check each decode step runs (flash's unsupported_shape) decides here too
-    q, k, v = (torch.empty(0, width, dtype=spec.dtype, device="meta") for width in widths)
+    q, k, v = (torch.empty(0, width, dtype=ctx.kv_spec.dtype, device="meta") for width in decode_widths(ctx))
     return unsupported_shape(q, k, v)
+
+
+def native_shape_problem(ctx: BuildContext) -> str | None:
+    """Why the native kernel cannot take this model's decode steps (one-row stand-ins of its tensors), or None."""
+    spec = ctx.kv_spec
+    q_width, k_width, v_width = decode_widths(ctx)
+    q = torch.empty(1, ctx.model.config.n_heads, q_width, dtype=spec.dtype, device="cpu")
+    k, v = (torch.empty(1, 1, spec.n_kv_heads, width, dtype=spec.dtype, device="cpu") for width in (k_width, v_width))
+    return native.paged_decode_problem(q, k, v)
 
 
 def _mla_hint(ctx: BuildContext) -> str:
@@ -93,6 +109,7 @@ class PagedAttention(Attention):
         self._kernel = ablate_kernels.paged_decode_attention
         device = ctx.device
         runnable = ablate_kernels.triton_available(device)
+        native_runs = device.type == "cpu" and native.available()
         if config.backend == "triton":
             if not runnable:   # a bad option, like the shapes below: the job stops with this one message
                 raise ValueError(f"attention=paged backend=triton: the Triton kernel cannot run on {device} "
@@ -104,15 +121,29 @@ class PagedAttention(Attention):
                                  f"{ctx.model.config.name!r}: {why}{_mla_hint(ctx)}; use attention.backend=auto "
                                  "(the PyTorch block-table gather where the kernel cannot run, recorded as such) "
                                  "or attention.backend=torch")
-        self.use_triton = runnable and config.backend != "torch"
-        self.graph_safe = self.use_triton     # the PyTorch gather sizes its tensors from the lists
-        self.forced = config.backend == "triton"
+        if config.backend == "native":
+            why = (f"it runs on the CPU, not {device}" if device.type != "cpu" else
+                   None if native_runs else native.unavailable_reason())
+            why = why or native_shape_problem(ctx)
+            if why is not None:
+                raise ValueError(f"attention=paged backend=native: the native paged-decode kernel cannot run here: "
+                                 f"{why}; use attention.backend=auto or torch")
+        # the kernel decode steps take: Triton where it compiles (a GPU), the native one on the CPU
+        if config.backend in ("triton", "native", "torch"):
+            self.decode_kernel = config.backend
+        elif runnable and device.type != "cpu":
+            self.decode_kernel = "triton"
+        else:
+            self.decode_kernel = "native" if native_runs else "triton" if runnable else "torch"
+        self.graph_safe = self.decode_kernel == "triton"    # the PyTorch gather sizes its tensors from the lists
+        self.forced = config.backend in ("triton", "native")
         self.kernel = ablate_kernels.backend_label(device)     # triton, or triton-interpreted: never a timing
-        if config.backend == "auto" and not runnable:
+        if self.decode_kernel == "torch" and config.backend == "auto":
             _warn_once(f"device {device.type}",
-                       f"attention=paged: the Triton paged-decode kernel cannot run on {device} (it needs a CUDA "
-                       "GPU, or TRITON_INTERPRET=1 before triton is imported); decode steps use the PyTorch "
-                       "block-table gather instead, recorded as backend 'torch'")
+                       f"attention=paged: no paged-decode kernel can run on {device} (the Triton one needs a CUDA "
+                       "GPU, or TRITON_INTERPRET=1 before triton is imported; the native one the CPU and a C "
+                       f"compiler: {native.unavailable_reason()}); decode steps use the PyTorch block-table "
+                       "gather instead, recorded as backend 'torch'")
         self.backends: dict[str, str] = {}    # kind of step (decode, prefill) -> implementation that ran
 
     @property
@@ -124,20 +155,27 @@ class PagedAttention(Attention):
         kind = "decode" if step.is_decode else "prefill"
         # K/V the model built from the cached rows itself (MLA's explicit path up-projects its latents
         # into a PaddedKV) have no block tables to walk: the generic gather reads any view
-        if not (step.is_decode and self.use_triton and isinstance(view, PagedKV)):
+        if not (step.is_decode and self.decode_kernel != "torch" and isinstance(view, PagedKV)):
             self.backends.setdefault(kind, "torch")
             return gathered_attention(q, view, step)
-        why = unsupported_shape(q, view.k_cache, view.v_cache)
+        if self.decode_kernel == "native":
+            why, label = native.paged_decode_problem(q, view.k_cache, view.v_cache), "native"
+        else:
+            why, label = unsupported_shape(q, view.k_cache, view.v_cache), self.kernel
         if why is not None and self.forced:    # the build-time check covers the model; this is a surprise
-            raise ValueError(f"attention=paged backend=triton: the paged-decode kernel cannot take this step: "
-                             f"{why}; use attention.backend=auto or torch")
+            raise ValueError(f"attention=paged backend={self.decode_kernel}: the paged-decode kernel cannot take "
+                             f"this step: {why}; use attention.backend=auto or torch")
         if why is not None:
             self.backends[kind] = f"torch({why})"
-            _warn_once(why, f"attention=paged: {why}, which the Triton paged-decode kernel does not take; decode "
-                            "steps use the PyTorch block-table gather instead, recorded as backend 'torch(<why>)'")
+            _warn_once(why, f"attention=paged: {why}, which the {self.decode_kernel} paged-decode kernel does not "
+                            "take; decode steps use the PyTorch block-table gather instead, recorded as backend "
+                            "'torch(<why>)'")
             return gathered_attention(q, view, step)
-        self.backends[kind] = self.kernel
+        self.backends[kind] = label
         # q (B, H, D): one query per sequence; keys of sequence b at block_tables[b, p // bs], p % bs
+        if self.decode_kernel == "native":
+            return native.paged_decode_attention(q, view.k_cache, view.v_cache, view.block_tables, step.kv_lens_t,
+                                                 torch.get_num_threads())
         return self._kernel(q, view.k_cache, view.v_cache, view.block_tables, step.kv_lens_t)
 
     def stats(self) -> dict[str, str]:

@@ -19,8 +19,10 @@ from ablate.api.plugin import Slot  # noqa: E402
 from ablate.api.sequence import Request, Sequence  # noqa: E402
 from ablate.api.step import StepInputs  # noqa: E402
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm  # noqa: E402
+from ablate.api import native  # noqa: E402
 from ablate_attention import paged as paged_attention  # noqa: E402
 
+needs_native = pytest.mark.skipif(not native.available(), reason=f"no native kernels: {native.unavailable_reason()}")
 needs_triton = pytest.mark.skipif(
     not ablate_kernels.triton_available("cpu"),
     reason="triton was imported before TRITON_INTERPRET=1 was set (run this module on its own)")
@@ -87,6 +89,8 @@ def test_greedy_tokens_through_the_triton_kernel_equal_the_baseline(ablate_regis
 
 def test_the_backend_that_ran_is_recorded_and_a_fallback_is_said(ablate_registry, ablate_tiny_model, monkeypatch):
     monkeypatch.setattr(ablate_kernels, "triton_available", lambda device: False)
+    monkeypatch.setattr(paged_attention.native, "available", lambda: False)
+    monkeypatch.setattr(paged_attention.native, "unavailable_reason", lambda: "no compiler")
     monkeypatch.setattr(paged_attention, "_warned", set())
     arm = resolve_arm("t", {"kv_cache": "paged", "attention": "paged"}, baseline_configs(ablate_registry),
                       ablate_registry)
@@ -106,3 +110,52 @@ def test_paged_attention_needs_a_paged_cache(ablate_registry):
     with pytest.raises(IncompatiblePlugins, match="attention=paged cannot run with kv_cache=contiguous"):
         resolve_arm("t", {"kv_cache": "contiguous", "attention": "paged"}, baseline_configs(ablate_registry),
                     ablate_registry)
+
+
+@needs_native
+@pytest.mark.parametrize("context_lens, block_size, heads, head_dim", [
+    ([1, 7, 16, 23], 4, (4, 2), 16),     # grouped-query: 2 query heads per KV head; partial and full last blocks
+    ([5, 33], 16, (2, 2), 64),
+    ([9], 1, (4, 1), 24),                # one token per block; multi-query; a width that is not a whole vector
+    ([130, 3, 64], 16, (9, 3), 64),      # SmolLM2's heads
+])
+def test_native_kernel_equals_the_pytorch_block_table_path(context_lens, block_size, heads, head_dim):
+    q, view, step = decode_step(context_lens, block_size, *heads, head_dim=head_dim)
+    assert native.paged_decode_problem(q, view.k_cache, view.v_cache) is None
+    kernel = native.paged_decode_attention(q, view.k_cache, view.v_cache, view.block_tables, step.kv_lens_t, 2)
+    torch_path = paged_attention.gathered_attention(q, view, step)                      # (T = B, H, D)
+    torch.testing.assert_close(kernel, torch_path, atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_native_kernel_says_what_it_cannot_take():
+    q, view, _ = decode_step([5], 4, 4, 2, head_dim=16)
+    assert "fp32 only" in native.paged_decode_problem(q.half(), view.k_cache.half(), view.v_cache.half())
+    assert "divide" in native.paged_decode_problem(q[:, :3], view.k_cache, view.v_cache)
+    assert "one width" in native.paged_decode_problem(q, view.k_cache, view.v_cache[..., :8])
+
+
+@needs_native
+def test_on_the_cpu_auto_decodes_through_the_native_kernel(ablate_registry, ablate_tiny_model):
+    rng = random.Random(0)
+    requests = [Request(i, tuple(rng.randrange(256) for _ in range(p)), n)
+                for i, (p, n) in enumerate([(3, 5), (9, 3), (14, 4)])]
+
+    def run(spec):
+        arm = resolve_arm("t", spec, baseline_configs(ablate_registry), ablate_registry)
+        built = build_arm(arm, ablate_tiny_model, EngineConfig(max_num_seqs=3), 24, ablate_registry)
+        return [s.output_token_ids for s in built.engine.run(requests)], built
+
+    baseline, _ = run({})
+    tokens, built = run({"kv_cache": {"name": "paged", "block_size": 4}, "attention": "paged"})
+    assert tokens == baseline
+    assert built.plugins[Slot.ATTENTION].backend == "paged(decode=native,prefill=torch)"
+
+
+def test_backend_native_is_refused_where_it_cannot_run(ablate_registry, ablate_tiny_model, monkeypatch):
+    monkeypatch.setattr(paged_attention.native, "available", lambda: False)
+    monkeypatch.setattr(paged_attention.native, "unavailable_reason", lambda: "could not build native.c with 'cc'")
+    forced = resolve_arm("t", {"kv_cache": "paged", "attention": {"name": "paged", "backend": "native"}},
+                         baseline_configs(ablate_registry), ablate_registry)
+    with pytest.raises(ValueError, match="backend=native: .*could not build native.c"):
+        build_arm(forced, ablate_tiny_model, EngineConfig(max_num_seqs=2), 16, ablate_registry)

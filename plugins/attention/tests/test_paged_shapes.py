@@ -24,8 +24,10 @@ from ablate.engine.arm import baseline_configs, build_arm, resolve_arm  # noqa: 
 from ablate.model.config import preset  # noqa: E402
 from ablate.model.llama import LlamaModel  # noqa: E402
 from ablate.model.mla import set_absorbed  # noqa: E402
+from ablate.api import native  # noqa: E402
 from ablate_attention import paged as paged_attention  # noqa: E402
 
+needs_native = pytest.mark.skipif(not native.available(), reason=f"no native kernels: {native.unavailable_reason()}")
 needs_triton = pytest.mark.skipif(
     not ablate_kernels.triton_available("cpu"),
     reason="triton was imported before TRITON_INTERPRET=1 was set (run this module on its own)")
@@ -78,7 +80,7 @@ def test_backend_triton_refuses_a_model_the_kernel_cannot_take(ablate_registry, 
 def test_backend_triton_refuses_a_step_it_cannot_take(ablate_registry, ablate_tiny_model, monkeypatch):
     monkeypatch.setattr(ablate_kernels, "triton_available", lambda device: True)
     _, attention = run(ablate_registry, ablate_tiny_model, paged("torch"))         # built without the check
-    attention.use_triton, attention.forced = True, True
+    attention.decode_kernel, attention.forced = "triton", True
     q, cache = torch.zeros(1, 4, 24), torch.zeros(2, 4, 2, 24)                       # head_dim 24
     step = SimpleNamespace(is_decode=True)
     with pytest.raises(ValueError, match="backend=triton: the paged-decode kernel cannot take this step: head_dim 24"):
@@ -89,6 +91,7 @@ def test_backend_triton_refuses_a_step_it_cannot_take(ablate_registry, ablate_ti
 def test_backend_auto_runs_the_pytorch_gather_where_the_kernel_cannot(variant, ablate_registry, ablate_tiny_model,
                                                                       monkeypatch):
     monkeypatch.setattr(ablate_kernels, "triton_available", lambda device: True)   # the kernel is never reached
+    monkeypatch.setattr(paged_attention.native, "available", lambda: False)        # auto takes Triton, as on a GPU
     monkeypatch.setattr(paged_attention, "_warned", set())
     if variant == "narrow mla":
         model, extra = ablate_tiny_model, {"variant": NARROW_MLA}
@@ -107,7 +110,8 @@ def test_backend_auto_runs_the_pytorch_gather_where_the_kernel_cannot(variant, a
     assert len(shape_warnings) == (variant == "narrow mla")
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", ["auto", "torch", pytest.param("triton", marks=needs_triton),
+                                     pytest.param("native", marks=needs_native)])
 @pytest.mark.parametrize("source", ["mla-tiny", "variant=mla"])
 def test_mla_prefill_and_decode_through_paged_attention_and_a_paged_cache(backend, source, ablate_registry,
                                                                          ablate_tiny_model):
@@ -120,7 +124,9 @@ def test_mla_prefill_and_decode_through_paged_attention_and_a_paged_cache(backen
         warnings.simplefilter("ignore")                            # no Triton here is warned about elsewhere
         tokens, attention = run(ablate_registry, model, paged(backend, **extra))
     assert tokens == baseline
-    kernel = ablate_kernels.backend_label("cpu") if backend != "torch" and ablate_kernels.triton_available("cpu") else "torch"
+    if backend == "auto":        # on the CPU: the native kernel, else Triton's interpreter, else the gather
+        backend = "native" if native.available() else "triton" if ablate_kernels.triton_available("cpu") else "torch"
+    kernel = ablate_kernels.backend_label("cpu") if backend == "triton" else backend
     assert attention.backend == f"paged(decode={kernel},prefill=torch)"
 
 

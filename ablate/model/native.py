@@ -107,10 +107,12 @@ def library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
+    """Whether the kernels are built and loaded (built now, on the first call)."""
     return library() is not None
 
 
 def unavailable_reason() -> str | None:
+    """Why the kernels are unavailable (no compiler, a failed build, switched off), or None."""
     library()
     return _reason
 

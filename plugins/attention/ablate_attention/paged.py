@@ -22,9 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ablate.api import native
 from ablate.api import (Attention, BuildContext, KVView, PagedKV, PluginConfig, Requirement, Slot, Stat, StepInputs,
-                        causal_mask, pad_queries, unpad_queries)
+                        causal_mask, native, pad_queries, unpad_queries)
 from ablate_attention.flash import unsupported_shape
 
 BACKENDS = ("auto", "triton", "native", "torch")

@@ -103,6 +103,24 @@ void silu_mul(const float *gate_up, float *y, long rows, long f) {
     }
 }
 
+typedef int ivec16 __attribute__((vector_size(64)));
+
+/* e^x for x <= 0, 16 at a time: e^x = 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 in
+ * [-ln2/2, ln2/2], where e^r's Taylor series to r^6 is within 2e-7 of it; 2^n goes into the exponent
+ * bits (round(): adding 1.5 * 2^23 leaves n in the low mantissa bits, also as an integer). Below
+ * x = -60 the result is 0: e^-60 < 1e-26 is far beneath a softmax's precision, and weights that
+ * small would make subnormal products, which cost a hundred cycles each on x86. */
+static inline vec16 exp16(vec16 x) {
+    const vec16 zero = {0}, shift = zero + 12582912.0f;       /* 1.5 * 2^23 */
+    ivec16 tiny = x < -60.0f;
+    x = (vec16)(((ivec16)x & ~tiny) | ((ivec16)(zero - 60.0f) & tiny));
+    vec16 t = x * 1.44269504088896341f + shift;                /* x / ln 2 + shift */
+    vec16 n = t - shift;
+    vec16 r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;    /* ln 2, split for precision */
+    vec16 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+    return (vec16)(((ivec16)p + (((ivec16)t - (ivec16)shift) << 23)) & ~tiny);
+}
+
 /* acc[0:n] += p * v[0:n] */
 static void axpy(float *acc, float p, const float *v, long n) {
     long i = 0;
@@ -118,52 +136,67 @@ static void axpy(float *acc, float p, const float *v, long n) {
  * key p of sequence b at row p % bs of block block_tables[b, p / bs], KV head h / (heads / kv_heads).
  * q, out (B, H, D); k_cache, v_cache (num_blocks, bs, H_kv, D); block_tables (B, max_blocks) int32.
  *
- * One task per (sequence, KV head): its group of query heads reads each K/V row once, from L1 after
- * the first head. The softmax is online, one block at a time (FlashAttention's recurrence): with m the
- * running max and l the running sum, a block of scores s_j moves m to m' = max(m, max_j s_j), rescales
- * l and the output by exp(m - m'), and adds exp(s_j - m') and exp(s_j - m') v_j. The caller checks
- * that group * D and bs fit the stack arrays below (native.py: paged_decode_problem). */
+ * One task per sequence: it reads each of its blocks whole (bs x H_kv x D, contiguous) while
+ * prefetching the next, where a task per KV head would read every block in strided slices (twice as
+ * slow in SmolLM2's decode at batch 64). The softmax is online, one block at a time (FlashAttention's
+ * recurrence): with m the running max and l the running sum, a block of scores s_j moves m to
+ * m' = max(m, max_j s_j), rescales l and the output by exp(m - m'), and adds exp(s_j - m') and
+ * exp(s_j - m') v_j. The caller checks that H * D and bs fit the stack arrays below (native.py:
+ * paged_decode_problem). */
 void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int *block_tables,
                             const int *context_lens, float *out, long batch, long heads, long kv_heads, long dim,
                             long block_size, long max_blocks, float scale, int threads) {
     long group = heads / kv_heads;
     long key_stride = kv_heads * dim;                 /* floats from one key of a block to the next */
-#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads)
+    long block_floats = block_size * key_stride;
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
     for (long b = 0; b < batch; b++) {
-        for (long g = 0; g < kv_heads; g++) {
-            long ctx = context_lens[b] < max_blocks * block_size ? context_lens[b] : max_blocks * block_size;
-            float m[group], l[group], acc[group * dim], s[block_size];
-            for (long h = 0; h < group; h++) m[h] = -INFINITY, l[h] = 0.0f;
-            memset(acc, 0, sizeof acc);
-            for (long start = 0; start < ctx; start += block_size) {
-                long n = ctx - start < block_size ? ctx - start : block_size;
-                long block = block_tables[b * max_blocks + start / block_size];
-                const float *kb = k_cache + (block * block_size * kv_heads + g) * dim;   /* key j: kb + j * key_stride */
-                const float *vb = v_cache + (block * block_size * kv_heads + g) * dim;
-                for (long h = 0; h < group; h++) {
-                    const float *qh = q + (b * heads + g * group + h) * dim;
-                    float top = m[h];
-                    for (long j = 0; j < n; j++) {
-                        s[j] = scale * dot(qh, kb + j * key_stride, dim);
-                        top = s[j] > top ? s[j] : top;
-                    }
-                    float rescale = expf(m[h] - top);          /* 0 on the first block (m = -inf) */
-                    float *acc_h = acc + h * dim;
-                    l[h] *= rescale;
-                    for (long i = 0; i < dim; i++) acc_h[i] *= rescale;
-                    for (long j = 0; j < n; j++) {
-                        float p = expf(s[j] - top);
-                        l[h] += p;
-                        axpy(acc_h, p, vb + j * key_stride, dim);
-                    }
-                    m[h] = top;
+        long ctx = context_lens[b] < max_blocks * block_size ? context_lens[b] : max_blocks * block_size;
+        const int *table = block_tables + b * max_blocks;
+        float m[heads], l[heads], acc[heads * dim], s[(block_size + 15) / 16 * 16];   /* s: whole vectors */
+        for (long h = 0; h < heads; h++) m[h] = -INFINITY, l[h] = 0.0f;
+        memset(acc, 0, sizeof acc);
+        memset(s, 0, sizeof s);                            /* lanes past a block's keys: read, unused */
+        for (long start = 0; start < ctx; start += block_size) {
+            long n = ctx - start < block_size ? ctx - start : block_size;
+            const float *kb = k_cache + table[start / block_size] * block_floats;
+            const float *vb = v_cache + table[start / block_size] * block_floats;
+            if (start + block_size < ctx) {                /* the next block, a cache line at a time */
+                const float *next_k = k_cache + table[start / block_size + 1] * block_floats;
+                const float *next_v = v_cache + table[start / block_size + 1] * block_floats;
+                for (long i = 0; i < block_floats; i += 16) {
+                    __builtin_prefetch(next_k + i, 0, 3);
+                    __builtin_prefetch(next_v + i, 0, 3);
                 }
             }
-            for (long h = 0; h < group; h++) {
-                float *o = out + (b * heads + g * group + h) * dim;
-                float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  /* no keys: zeros, as the reference gives */
-                for (long i = 0; i < dim; i++) o[i] = acc[h * dim + i] * inv;
+            for (long h = 0; h < heads; h++) {
+                const float *qh = q + (b * heads + h) * dim;
+                const float *kh = kb + h / group * dim, *vh = vb + h / group * dim;   /* key j: + j * key_stride */
+                float top = m[h];
+                for (long j = 0; j < n; j++) {
+                    s[j] = scale * dot(qh, kh + j * key_stride, dim);
+                    top = s[j] > top ? s[j] : top;
+                }
+                for (long j = 0; j < n; j += 16) {                /* s_j -> exp(s_j - top), 16 at a time */
+                    vec16 e = exp16(load16(s + j) - top);
+                    memcpy(s + j, &e, sizeof e);
+                }
+                /* 0 on the first block (m = -inf), and where it would only make subnormals (exp16) */
+                float rescale = m[h] - top < -60.0f ? 0.0f : expf(m[h] - top);
+                float *acc_h = acc + h * dim;
+                l[h] *= rescale;
+                for (long i = 0; i < dim; i++) acc_h[i] *= rescale;
+                for (long j = 0; j < n; j++) {
+                    l[h] += s[j];
+                    axpy(acc_h, s[j], vh + j * key_stride, dim);
+                }
+                m[h] = top;
             }
+        }
+        for (long h = 0; h < heads; h++) {
+            float *o = out + (b * heads + h) * dim;
+            float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;      /* no keys: zeros, as the reference gives */
+            for (long i = 0; i < dim; i++) o[i] = acc[h * dim + i] * inv;
         }
     }
 }

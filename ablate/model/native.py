@@ -42,8 +42,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # three for the activation), each against caches the weights just evicted; past it, torch's threads
 # are worth their start-up
 SMALL_ROWS = 16
-# paged_decode_attention keeps a task's running outputs (query heads per KV head x D) and one block's
-# scores in arrays on its thread's stack: bounded so that they fit any thread's stack with room to spare
+# paged_decode_attention keeps a task's running outputs (query heads x D) and one block's scores in
+# arrays on its thread's stack: bounded so that they fit any thread's stack with room to spare
 MAX_TASK_FLOATS = 32768
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None        # why the kernels are unavailable, once known
@@ -181,9 +181,9 @@ def paged_decode_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     if heads % kv_heads:
         return f"{heads} query heads do not divide into {kv_heads} KV heads"
-    if heads // kv_heads * q.shape[-1] + k_cache.shape[1] > MAX_TASK_FLOATS:
-        return (f"{heads // kv_heads} query heads per KV head x D={q.shape[-1]} plus blocks of {k_cache.shape[1]} "
-                f"exceed the kernel's {MAX_TASK_FLOATS} floats a task")
+    if heads * q.shape[-1] + k_cache.shape[1] > MAX_TASK_FLOATS:
+        return (f"{heads} query heads x D={q.shape[-1]} plus blocks of {k_cache.shape[1]} exceed the kernel's "
+                f"{MAX_TASK_FLOATS} floats a task")
     return None
 
 

@@ -11,7 +11,8 @@ Measured on SmolLM2's shapes, 2 cores: on an AVX2 EPYC oneDNN ran 2-128-token pr
 as fast as MKL (4 tokens 127 -> 51 ms for the 121 products of one forward) while MKL's matrix-vector
 path won at one token; on a Zen 5 EPYC oneDNN won at one token too (a decode step 30 -> 16.5 ms); on
 another AVX-512 EPYC MKL won at one token again; on a Zen 4 EPYC numpy's BLAS won it (a decode step
-41.4 ms on oneDNN against 36.4 on numpy, side by side in benchmarks/decode_profile.py).
+41.4 ms on oneDNN against 36.4 on numpy, side by side in benchmarks/decode_profile.py), until the
+native kernel beat both there (38.0 ms on oneDNN, 35.5 on numpy, 29.1 on the native kernel).
 
 One-row products are chosen for every shape at once (_choose_one_row): numpy's BLAS runs on a thread
 pool of its own, which cannot share a step with torch's (ablate/model/numpy_blas.py), so either every

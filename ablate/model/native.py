@@ -3,10 +3,10 @@ attention, compiled here.
 
 Why: at one row a product reads each weight once, so a decode step at batch 1 runs at the speed its
 weights stream from memory. In SmolLM2's decode step on a Zen 4 EPYC (2 threads, 35 GB/s read
-bandwidth; benchmarks/decode_profile.py) oneDNN streamed the products' 538 MB at 21 GB/s and numpy's
-OpenBLAS at 22, while a plain loop that reads each thread's band of rows front to back, prefetching
-a block ahead, reached 27. It is one more path that ablate/model/linear.py times against the others,
-not a replacement.
+bandwidth; benchmarks/decode_profile.py) oneDNN streamed the products' 538 MB at 22 GB/s and numpy's
+OpenBLAS at 23, while this kernel, which reads W packed so that each thread's band is one sequential
+stream, reached 31. It is one more path that ablate/model/linear.py times against the others, not a
+replacement.
 And torch's RMSNorm on a CPU is six operations; for a few rows their dispatch is the whole cost.
 Decode attention over a paged cache (attention=paged, through ablate.api.native) reads each block
 where it lies, where the PyTorch path gathers every sequence's blocks into padded K/V first and then

@@ -2,17 +2,17 @@
 
 A CPU product can go to MKL through `F.linear`, to oneDNN on the weight reordered once into its
 blocked layout (what Inductor's CPU "freezing" does; here done eagerly, without compiling anything),
-or, at one fp32 row, to ablate's own matrix-vector kernel (ablate/model/native.py, built here) or
-to numpy's BLAS (OpenBLAS in numpy's wheels). Which is fastest depends on the
-machine and the shape, so none is fixed in the code: the first product of each (weight shape, dtype,
-class of row count, thread count) times the paths (median of 7 after warm-up) and keeps the fastest
-for the process; `linear_paths()` lists the choices and every run records them (environment.json).
-Measured on SmolLM2's shapes, 2 cores: on an AVX2 EPYC oneDNN ran 2-128-token products about twice
-as fast as MKL (4 tokens 127 -> 51 ms for the 121 products of one forward) while MKL's matrix-vector
-path won at one token; on a Zen 5 EPYC oneDNN won at one token too (a decode step 30 -> 16.5 ms); on
-another AVX-512 EPYC MKL won at one token again; on a Zen 4 EPYC numpy's BLAS won it (a decode step
-41.4 ms on oneDNN against 36.4 on numpy, side by side in benchmarks/decode_profile.py), until the
-native kernel beat both there (38.0 ms on oneDNN, 35.5 on numpy, 29.1 on the native kernel).
+or, at one fp32 row, to ablate's own matrix-vector kernel (ablate/model/native.py, built here) or to
+numpy's BLAS (OpenBLAS in numpy's wheels). Which is fastest depends on the machine and the shape, so
+none is fixed in the code: the first product of each (weight shape, dtype, class of row count,
+thread count) times the paths (median of 7 after warm-up) and keeps the fastest for the process;
+`linear_paths()` lists the choices and every run records them (environment.json). Measured on
+SmolLM2's shapes, 2 cores: on an AVX2 EPYC oneDNN ran 2-128-token products about twice as fast as
+MKL (4 tokens 127 -> 51 ms for the 121 products of one forward) while MKL's matrix-vector path won
+at one token; on a Zen 5 EPYC oneDNN won at one token too (a decode step 30 -> 16.5 ms); on another
+AVX-512 EPYC MKL won at one token again; on a Zen 4 EPYC numpy's BLAS won it (a decode step 41.4 ms
+on oneDNN against 36.4 on numpy, side by side in benchmarks/decode_profile.py), until the native
+kernel beat both there (38.0 ms on oneDNN, 35.5 on numpy, 29.1 on the native kernel).
 
 One-row products are chosen for every shape at once (_choose_one_row): numpy's BLAS runs on a thread
 pool of its own, which cannot share a step with torch's (ablate/model/numpy_blas.py), so either every
@@ -42,9 +42,9 @@ only: PyTorch's bf16 products on a CPU without native bf16 are ~10x slower on th
 The packed copies (oneDNN's blocked layout, the native kernel's, and numpy's row-major copy where that
 layout won) are made on first use and remade whenever the weight changes (a new tensor, or an
 in-place edit that bumps its version), so model variants that rewrite weights stay correct. Each
-costs a copy of the weights in memory, kept only for the paths the timing chose; GPU
-tensors, dtypes oneDNN cannot pack on this CPU (bf16 without AVX-512 or AVX-NE-CONVERT) and
-`ABLATE_PACKED_LINEAR=0` use plain F.linear.
+costs a copy of the weights in memory (copy_bytes, in every run's peak memory), kept only for the
+paths the timing chose; GPU tensors, dtypes oneDNN cannot pack on this CPU (bf16 without AVX-512 or
+AVX-NE-CONVERT) and `ABLATE_PACKED_LINEAR=0` use plain F.linear.
 """
 from __future__ import annotations
 
@@ -187,8 +187,8 @@ class Linear(nn.Linear):
                          and (m.bias is None) == (self.bias is None)][:MAX_TIMED_LAYERS - 1]
 
     def _faster_path(self, x: torch.Tensor, streamed: bool) -> str:
-        """MKL or oneDNN, timed on `x`: through every live layer shaped like this one when the product
-        streams W (`streamed`), else through this one (the module docstring)."""
+        """The fastest path for `x` (_time_paths): through every live layer shaped like this one when the
+        product streams W (`streamed`), else through this one (the module docstring)."""
         return _time_paths(self._same_shape() if streamed else [self], x)[0]
 
     def _numpy(self, x: torch.Tensor) -> torch.Tensor:

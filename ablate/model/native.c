@@ -137,8 +137,8 @@ static void axpy(float *acc, float p, const float *v, long n) {
  * q, out (B, H, D); k_cache, v_cache (num_blocks, bs, H_kv, D); block_tables (B, max_blocks) int32.
  *
  * One task per sequence: it reads each of its blocks whole (bs x H_kv x D, contiguous) while
- * prefetching the next, where a task per KV head would read every block in strided slices (twice as
- * slow in SmolLM2's decode at batch 64). The softmax is online, one block at a time (FlashAttention's
+ * prefetching the next, where a task per KV head would read every block in strided slices (1.65
+ * against 1.33 ms a layer in SmolLM2's decode at batch 64). The softmax is online, one block at a time (FlashAttention's
  * recurrence): with m the running max and l the running sum, a block of scores s_j moves m to
  * m' = max(m, max_j s_j), rescales l and the output by exp(m - m'), and adds exp(s_j - m') and
  * exp(s_j - m') v_j. The caller checks that H * D and bs fit the stack arrays below (native.py:

@@ -11,9 +11,7 @@ ablate.model.linear times at run time: what every run uses), `no native` (the sa
 without ablate's native kernels, ablate/model/native.py: its products and its RMSNorm), `mkl` and
 `onednn` (every product of up to 16 rows forced onto one of torch's paths), and at batch 1 `numpy`
 (every one-token step lent to numpy's BLAS, ablate/model/numpy_blas.py) and `native` (every one-row
-product on the native kernel); past 16 rows only `timed` (the native kernels take at most 16). Where the native kernel
-won a shape, its weights are row-major for every way after (MKL's one-row path prefers W^T).
-Per way: the decode step's median time from the engine's recorder, and a torch.profiler breakdown of
+product on the native kernel); past 16 rows only `timed` (the native kernels take at most 16). Per way: the decode step's median time from the engine's recorder, and a torch.profiler breakdown of
 the same steps run again, each category's share of the profiled step applied to the unprofiled one:
 the products (mkldnn::_linear_pointwise, aten::mm/addmm, numpy's matmul, the native matvec), the
 attention and KV-cache slots (the plugins' whole calls), RMSNorm (aten::rms_norm and the operations
@@ -148,8 +146,9 @@ def main() -> None:
                       registry)
     chosen, chosen_one_row = {}, {}
     for way in ("no native", "timed"):          # warm-ups: the timed choices are made, without and with
-        force(way, {way: {}}, {way: {}})          # the native kernels (where they win, a shape's weights
-        with native_kernels(way == "timed"):      # become row-major: the torch paths run on that layout after)
+        linear._paths.clear()                     # the native kernels
+        numpy_blas.on_numpy.clear()
+        with native_kernels(way == "timed"):
             decode_steps(model, arm, registry, args.batch, 8, profiled=False)
         chosen[way], chosen_one_row[way] = dict(linear._paths), dict(numpy_blas.on_numpy)
     Linear._numpy = named(Linear._numpy, "numpy_blas::matmul")

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ablate.model import numpy_blas
+from ablate.model import native, numpy_blas
 from ablate.model.config import preset
 import ablate.model.linear as linear
 from ablate.model.linear import PACKABLE, Linear
@@ -32,9 +32,16 @@ def test_linear_matches_f_linear(rows, input_major):
     torch.testing.assert_close(got, F.linear(x, want_weight, layer.bias), atol=1e-5, rtol=1e-5)
 
 
-def test_packed_weight_follows_in_place_edits():
+@pytest.mark.parametrize("path, rows", [
+    pytest.param(linear.ONEDNN, 4, marks=pytest.mark.skipif(torch.float32 not in PACKABLE, reason="no oneDNN")),
+    pytest.param(linear.NATIVE, 1, marks=pytest.mark.skipif(not native.available(), reason="no native kernels")),
+])
+def test_packed_weight_follows_in_place_edits(path, rows):
     layer = Linear(32, 16, bias=False)
-    x = torch.randn(4, 32)                 # 4 rows: the packed path
+    threads = torch.get_num_threads()
+    linear._paths[16, 32, torch.float32, linear.row_class(rows), threads] = path
+    numpy_blas.on_numpy[torch.float32, threads] = False
+    x = torch.randn(rows, 32)
     with torch.inference_mode():
         layer(x)
     with torch.no_grad():

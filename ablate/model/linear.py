@@ -101,7 +101,7 @@ def linear_paths() -> dict[str, str]:
              for (o, i, dtype, rows, threads), path in sorted(_paths.items(), key=str)}
     steps = {f"one-row steps {str(dtype).removeprefix('torch.')} {threads} threads": NUMPY if on else "torch"
              for (dtype, threads), on in sorted(numpy_blas.on_numpy.items(), key=str)}
-    return paths | steps | {"native kernels": native.unavailable_reason() or "built"}
+    return paths | steps | {"native kernels": native.state()}
 
 
 def copy_bytes(model: nn.Module) -> int:

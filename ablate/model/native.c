@@ -1,5 +1,6 @@
-/* ablate's own CPU kernels for small products and norms: built on first use by the machine's C
- * compiler (ablate/model/native.py) with -O3 -march=native -fopenmp, called through ctypes.
+/* ablate's own CPU kernels for one-token steps (a matrix-vector product, RMSNorm, RoPE, SwiGLU's
+ * activation) and paged decode attention: built on first use by the machine's C compiler
+ * (ablate/model/native.py) with -O3 -march=native -fopenmp, called through ctypes.
  *
  * GCC's generic vectors (vec16: 16 floats) become AVX-512, AVX2 or NEON instructions, whichever the
  * machine has. OpenMP regions run on the thread pool torch already loaded (the same libgomp.so.1),
@@ -138,11 +139,11 @@ static void axpy(float *acc, float p, const float *v, long n) {
  *
  * One task per sequence: it reads each of its blocks whole (bs x H_kv x D, contiguous) while
  * prefetching the next, where a task per KV head would read every block in strided slices (1.65
- * against 1.33 ms a layer in SmolLM2's decode at batch 64). The softmax is online, one block at a time (FlashAttention's
- * recurrence): with m the running max and l the running sum, a block of scores s_j moves m to
- * m' = max(m, max_j s_j), rescales l and the output by exp(m - m'), and adds exp(s_j - m') and
- * exp(s_j - m') v_j. The caller checks that H * D and bs fit the stack arrays below (native.py:
- * paged_decode_problem). */
+ * against 1.33 ms a layer in SmolLM2's decode at batch 64). The softmax is online, one block at a
+ * time (FlashAttention's recurrence): with m the running max and l the running sum, a block of
+ * scores s_j moves m to m' = max(m, max_j s_j), rescales l and the output by exp(m - m'), and adds
+ * exp(s_j - m') and exp(s_j - m') v_j. The caller checks that H * D and bs fit the stack arrays below
+ * (native.py: paged_decode_problem). */
 void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int *block_tables,
                             const int *context_lens, float *out, long batch, long heads, long kv_heads, long dim,
                             long block_size, long max_blocks, float scale, int threads) {

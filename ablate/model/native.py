@@ -106,6 +106,12 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+def state() -> str:
+    """For the results, without building anything: "built", why the kernels are unavailable, or
+    "not asked for" (no CPU step has needed them in this process)."""
+    return "built" if _lib is not None else _reason or "not asked for"
+
+
 def available() -> bool:
     """Whether the kernels are built and loaded (built now, on the first call)."""
     return library() is not None

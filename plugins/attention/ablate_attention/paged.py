@@ -144,6 +144,7 @@ class PagedAttention(Attention):
                        f"compiler: {native.unavailable_reason()}); decode steps use the PyTorch block-table "
                        "gather instead, recorded as backend 'torch'")
         self.backends: dict[str, str] = {}    # kind of step (decode, prefill) -> implementation that ran
+        self._problems: dict[tuple, str | None] = {}    # what _step_problem found, per kind of inputs
 
     @property
     def backend(self) -> str:
@@ -157,10 +158,7 @@ class PagedAttention(Attention):
         if not (step.is_decode and self.decode_kernel != "torch" and isinstance(view, PagedKV)):
             self.backends.setdefault(kind, "torch")
             return gathered_attention(q, view, step)
-        if self.decode_kernel == "native":
-            why, label = native.paged_decode_problem(q, view.k_cache, view.v_cache), "native"
-        else:
-            why, label = unsupported_shape(q, view.k_cache, view.v_cache), self.kernel
+        why = self._step_problem(q, view)
         if why is not None and self.forced:    # the build-time check covers the model; this is a surprise
             raise ValueError(f"attention=paged backend={self.decode_kernel}: the paged-decode kernel cannot take "
                              f"this step: {why}; use attention.backend=auto or torch")
@@ -170,12 +168,21 @@ class PagedAttention(Attention):
                             "take; decode steps use the PyTorch block-table gather instead, recorded as backend "
                             "'torch(<why>)'")
             return gathered_attention(q, view, step)
-        self.backends[kind] = label
+        self.backends[kind] = "native" if self.decode_kernel == "native" else self.kernel
         # q (B, H, D): one query per sequence; keys of sequence b at block_tables[b, p // bs], p % bs
         if self.decode_kernel == "native":
             return native.paged_decode_attention(q, view.k_cache, view.v_cache, view.block_tables, step.kv_lens_t,
                                                  torch.get_num_threads())
         return self._kernel(q, view.k_cache, view.v_cache, view.block_tables, step.kv_lens_t)
+
+    def _step_problem(self, q: torch.Tensor, view: PagedKV) -> str | None:
+        """Why the decode kernel cannot take this step, or None: checked once per kind of inputs (every
+        layer of every step has the same, but for the batch size, which no check depends on)."""
+        key = (q.shape[1:], q.dtype, view.k_cache.shape, view.v_cache.shape, view.k_cache.dtype)
+        if key not in self._problems:
+            check = native.paged_decode_problem if self.decode_kernel == "native" else unsupported_shape
+            self._problems[key] = check(q, view.k_cache, view.v_cache)
+        return self._problems[key]
 
     def stats(self) -> dict[str, str]:
         return {"backends": self.backend}

@@ -68,8 +68,12 @@ def test_triton_kernel_equals_the_pytorch_block_table_path(context_lens, block_s
     torch.testing.assert_close(kernel, torch_path, atol=1e-4, rtol=1e-4)
 
 
-@needs_triton
-def test_greedy_tokens_through_the_triton_kernel_equal_the_baseline(ablate_registry, ablate_tiny_model):
+@pytest.mark.parametrize("attention, kernel", [
+    pytest.param({"name": "paged", "backend": "triton"}, "triton", marks=needs_triton),
+    pytest.param("paged", "native", marks=needs_native),        # on the CPU auto takes the native kernel
+])
+def test_greedy_tokens_through_the_decode_kernel_equal_the_baseline(attention, kernel, ablate_registry,
+                                                                   ablate_tiny_model):
     rng = random.Random(0)
     requests = [Request(i, tuple(rng.randrange(256) for _ in range(p)), n)
                 for i, (p, n) in enumerate([(3, 5), (9, 3), (14, 4)])]
@@ -80,10 +84,10 @@ def test_greedy_tokens_through_the_triton_kernel_equal_the_baseline(ablate_regis
         return [s.output_token_ids for s in built.engine.run(requests)], built
 
     baseline, _ = run({})
-    tokens, built = run({"kv_cache": {"name": "paged", "block_size": 4},
-                         "attention": {"name": "paged", "backend": "triton"}})
+    tokens, built = run({"kv_cache": {"name": "paged", "block_size": 4}, "attention": attention})
     assert tokens == baseline
-    kernel = ablate_kernels.backend_label(next(ablate_tiny_model.parameters()).device)   # triton(-interpreted)
+    if kernel == "triton":
+        kernel = ablate_kernels.backend_label(next(ablate_tiny_model.parameters()).device)   # triton(-interpreted)
     assert built.plugins[Slot.ATTENTION].backend == f"paged(decode={kernel},prefill=torch)"
 
 
@@ -133,23 +137,6 @@ def test_native_kernel_says_what_it_cannot_take():
     assert "fp32 only" in native.paged_decode_problem(q.half(), view.k_cache.half(), view.v_cache.half())
     assert "divide" in native.paged_decode_problem(q[:, :3], view.k_cache, view.v_cache)
     assert "one width" in native.paged_decode_problem(q, view.k_cache, view.v_cache[..., :8])
-
-
-@needs_native
-def test_on_the_cpu_auto_decodes_through_the_native_kernel(ablate_registry, ablate_tiny_model):
-    rng = random.Random(0)
-    requests = [Request(i, tuple(rng.randrange(256) for _ in range(p)), n)
-                for i, (p, n) in enumerate([(3, 5), (9, 3), (14, 4)])]
-
-    def run(spec):
-        arm = resolve_arm("t", spec, baseline_configs(ablate_registry), ablate_registry)
-        built = build_arm(arm, ablate_tiny_model, EngineConfig(max_num_seqs=3), 24, ablate_registry)
-        return [s.output_token_ids for s in built.engine.run(requests)], built
-
-    baseline, _ = run({})
-    tokens, built = run({"kv_cache": {"name": "paged", "block_size": 4}, "attention": "paged"})
-    assert tokens == baseline
-    assert built.plugins[Slot.ATTENTION].backend == "paged(decode=native,prefill=torch)"
 
 
 def test_backend_native_is_refused_where_it_cannot_run(ablate_registry, ablate_tiny_model, monkeypatch):

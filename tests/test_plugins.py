@@ -3,11 +3,12 @@ and a third-party plugin installed as a real package."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint, PathDistribution, entry_points
 from pathlib import Path
 
 import pandas as pd
@@ -18,7 +19,7 @@ import ablate.experiment.job
 from ablate.api.plugin import PluginConfig, Requirement, Slot
 from ablate.baselines import NaiveAttention
 from ablate.engine.arm import IncompatiblePlugins, baseline_configs, check_compatible, resolve_arm
-from ablate.engine.registry import GROUP, PluginInfo, Registry, UnknownPlugin, discover
+from ablate.engine.registry import GROUP, AmbiguousPlugin, PluginInfo, Registry, UnknownPlugin, discover
 from ablate.model.llama import LlamaModel
 from ablate_kv_cache.contiguous import ContiguousKVCache
 from ablate_kv_cache.dynamic import DynamicKVCache
@@ -159,6 +160,21 @@ class OtherContiguous(ContiguousKVCache):
     config_class = OtherContiguousConfig
 
 
+@dataclass
+class ShinyConfig(PluginConfig):
+    name: str = "shiny"
+
+
+class ShinyA(ContiguousKVCache):
+    name = "shiny"
+    config_class = ShinyConfig
+
+
+class ShinyB(ContiguousKVCache):
+    name = "shiny"
+    config_class = ShinyConfig
+
+
 def discover_with(monkeypatch, *extra: EntryPoint, blocked: tuple[str, ...] = ()) -> Registry:
     real = list(entry_points(group=GROUP))
     monkeypatch.setattr(registry_mod, "entry_points", lambda group: [*real, *extra] if group == GROUP else [])
@@ -188,13 +204,155 @@ def test_broken_plugin_is_a_warning_naming_it_not_a_crash(monkeypatch):
         reg.get(Slot.KV_CACHE, "broken")
 
 
-def test_duplicate_plugin_is_skipped_with_a_warning(monkeypatch):
-    dup = EntryPoint("kv_cache.contiguous2", f"{__name__}:OtherContiguous", GROUP)
-    with pytest.warns(UserWarning, match=r"kv_cache=contiguous .*OtherContiguous.* is a duplicate"):
-        reg = discover_with(monkeypatch, dup)
+# -- what a distribution's import may do, and two distributions naming one plugin ---------------------------
+
+def fake_distribution(site: Path, name: str, version: str, entry_points_: dict[str, str],
+                      modules: dict[str, str] | None = None) -> PathDistribution:
+    """A distribution as an installer leaves it in `site` (its .dist-info metadata beside its modules),
+    without running an installer: importlib.metadata finds it on sys.path as it finds any other."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[{GROUP}]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points_.items()))
+    for module, code in (modules or {}).items():
+        (site / module).mkdir()
+        (site / module / "__init__.py").write_text(textwrap.dedent(code))
+    return PathDistribution(info)
+
+
+def distribution_points(dist: PathDistribution) -> list[EntryPoint]:
+    return list(dist.entry_points.select(group=GROUP))
+
+
+# Every way an import can end other than an Exception: it must not end discovery (nor ablate) with it
+LEAVES_AT_IMPORT = {
+    "sys.exit(0)": ("import sys\nsys.exit(0)\n", "SystemExit: it calls sys.exit(0) when imported"),
+    "sys.exit(3)": ("import sys\nsys.exit(3)\n", "SystemExit: it calls sys.exit(3) when imported"),
+    "sys.exit(message)": ("import sys\nsys.exit('no GPU here')\n",
+                          "SystemExit: it calls sys.exit('no GPU here') when imported"),
+    "raise SystemExit": ("raise SystemExit\n", "SystemExit: it calls sys.exit(None) when imported"),
+    "GeneratorExit": ("raise GeneratorExit('odd')\n", "GeneratorExit: odd"),
+    "own BaseException": ("class Abort(BaseException):\n    pass\nraise Abort('stop')\n", "Abort: stop"),
+}
+
+
+@pytest.mark.parametrize("how", LEAVES_AT_IMPORT)
+def test_a_plugin_leaving_at_import_is_a_broken_plugin(how, tmp_path, monkeypatch):
+    code, reason = LEAVES_AT_IMPORT[how]
+    module = f"ablate_leaves_{abs(hash(how))}"
+    fake_distribution(tmp_path, "ablate-leaves", "2.0", {"kv_cache.leaves": f"{module}:Cache"}, {module: code})
+    monkeypatch.syspath_prepend(str(tmp_path))         # installed: found as any other distribution is
+    with pytest.warns(UserWarning) as warned:
+        reg = discover()
+    (message,) = [str(w.message) for w in warned]
+    assert message == (f"ablate: plugin 'kv_cache.leaves' ({module}:Cache, from ablate-leaves 2.0) could not be loaded "
+                       f"and is skipped: {reason}")
+    for slot, name in BUILT_INS:                     # the rest go on
+        assert name in reg.choices(Slot(slot))
+    row = next(r for r in reg.table() if r["name"] == "leaves")
+    assert (row["slot"], row["source"], row["version"], row["status"]) == ("kv_cache", "ablate-leaves", "2.0",
+                                                                          f"error: {reason}")
+    with pytest.raises(UnknownPlugin, match=r"\(kv_cache.leaves from ablate-leaves is error: " + re.escape(reason)):
+        reg.get(Slot.KV_CACHE, "leaves")
+
+
+def test_ctrl_c_during_a_plugins_import_still_interrupts(tmp_path, monkeypatch):
+    """The user's KeyboardInterrupt is theirs, not the plugin's failure: discovery stops."""
+    fake_distribution(tmp_path, "ablate-slow", "1.0", {"kv_cache.slow": "ablate_slow_import:Cache"},
+                      {"ablate_slow_import": "raise KeyboardInterrupt\n"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        discover()
+
+
+def rival_contiguous(tmp_path: Path) -> PathDistribution:
+    """A third-party distribution whose kv_cache plugin is also called `contiguous`."""
+    return fake_distribution(tmp_path, "other-kv", "1.5", {"kv_cache.contiguous": f"{__name__}:OtherContiguous"})
+
+
+def test_a_built_in_name_supplied_twice_is_refused_naming_both(tmp_path, monkeypatch):
+    rival = distribution_points(rival_contiguous(tmp_path))
+    with pytest.warns(UserWarning, match=r"kv_cache=contiguous is ambiguous: supplied by ablate-kv-cache 0\.1\.0 "
+                                         r"\(ablate_kv_cache.contiguous:ContiguousKVCache\) and other-kv 1\.5 "
+                                         r"\(tests.test_plugins:OtherContiguous\)"):
+        reg = discover_with(monkeypatch, *rival)
+    assert "contiguous" not in reg.choices(Slot.KV_CACHE) and "dynamic" in reg.choices(Slot.KV_CACHE)
+    rows = {r["source"]: r for r in reg.table() if r["name"] == "contiguous"}
+    assert set(rows) == {"ablate-kv-cache", "other-kv"}
+    assert rows["other-kv"]["status"] == ("ambiguous: kv_cache=contiguous is also supplied by ablate-kv-cache "
+                                          "(ablate_kv_cache.contiguous:ContiguousKVCache)")
+    assert rows["ablate-kv-cache"]["status"].endswith("also supplied by other-kv (tests.test_plugins:OtherContiguous)")
+    with pytest.raises(AmbiguousPlugin) as err:
+        resolve_arm("x", {"kv_cache": "contiguous"}, baseline_configs(reg), reg)
+    hint = re.search(r"ABLATE_BLOCK_PLUGINS=(\S+) keeps (\S+)'s", str(err.value))
+    assert hint, err.value
+    # following the message's own advice chooses one; blocking the other way round chooses the other
+    monkeypatch.setenv("ABLATE_BLOCK_PLUGINS", hint.group(1))
+    kept = discover_with(monkeypatch, *rival)
+    assert kept.distribution(Slot.KV_CACHE, "contiguous").name == hint.group(2)
+    monkeypatch.setenv("ABLATE_BLOCK_PLUGINS", "ablate_KV.cache:kv_cache.contiguous")   # any spelling of the name
+    theirs = discover_with(monkeypatch, *rival)
+    assert theirs.get(Slot.KV_CACHE, "contiguous") is OtherContiguous
+    supplier = theirs.distribution(Slot.KV_CACHE, "contiguous")
+    assert (supplier.name, supplier.version) == ("other-kv", "1.5")
+    assert theirs.record({(Slot.KV_CACHE, "contiguous")}) == [
+        {"slot": "kv_cache", "name": "contiguous", "target": "tests.test_plugins:OtherContiguous",
+         "distribution": "other-kv", "version": "1.5"}]
+
+
+def test_two_third_party_distributions_naming_one_plugin_are_refused(tmp_path, monkeypatch):
+    first = fake_distribution(tmp_path / "a", "shiny-a", "1.0", {"kv_cache.shiny": f"{__name__}:ShinyA"})
+    second = fake_distribution(tmp_path / "b", "shiny-b", "2.0", {"kv_cache.shiny": f"{__name__}:ShinyB"})
+    points = [*distribution_points(first), *distribution_points(second)]
+    with pytest.warns(UserWarning, match="kv_cache=shiny is ambiguous"):
+        reg = discover_with(monkeypatch, *points)
+    for order in (points, points[::-1]):                 # whichever the listing names first
+        with pytest.warns(UserWarning):
+            reg = discover_with(monkeypatch, *order)
+        with pytest.raises(AmbiguousPlugin, match=r"^kv_cache=shiny is ambiguous: supplied by shiny-a 1\.0 "
+                                                   r"\(tests.test_plugins:ShinyA\) and shiny-b 2\.0 "
+                                                   r"\(tests.test_plugins:ShinyB\); keep one by blocking"):
+            reg.get(Slot.KV_CACHE, "shiny")
+    monkeypatch.setenv("ABLATE_BLOCK_PLUGINS", "shiny-a:kv_cache.shiny")
+    assert discover_with(monkeypatch, *points).get(Slot.KV_CACHE, "shiny") is ShinyB
+
+
+def test_one_class_declared_twice_is_not_ambiguous(tmp_path, monkeypatch):
+    """An editable install beside a regular one of the same package: the same class, found twice."""
+    again = fake_distribution(tmp_path, "ablate-kv-cache", "0.1.0",
+                              {"kv_cache.contiguous": "ablate_kv_cache.contiguous:ContiguousKVCache"})
+    reg = discover_with(monkeypatch, *distribution_points(again))
     assert reg.get(Slot.KV_CACHE, "contiguous") is ContiguousKVCache
-    status = next(i.status for i in reg.infos if i.entry_point == "kv_cache.contiguous2")
-    assert status == "duplicate of ablate_kv_cache.contiguous:ContiguousKVCache from ablate-kv-cache"
+    assert [r["status"] for r in reg.table() if r["name"] == "contiguous"] == ["loaded"]
+
+
+def test_an_ambiguous_choice_is_refused_before_any_model_loads(tmp_path, monkeypatch, compose_config):
+    with pytest.warns(UserWarning):
+        reg = discover_with(monkeypatch, *distribution_points(rival_contiguous(tmp_path / "site")))
+    raw = compose_config(tmp_path, "wandb.mode=disabled")
+    raw["kv_cache"] = {"name": "contiguous"}
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded for an ambiguous plugin")
+
+    monkeypatch.setattr(ablate.experiment.job, "load_model", no_model)
+    monkeypatch.setattr(LlamaModel, "random", no_model)
+    with pytest.raises(AmbiguousPlugin, match="ablate-kv-cache 0.1.0 .* and other-kv 1.5"):
+        ablate.experiment.job.run_job(raw, reg, swallow_errors=True)
+    assert not (tmp_path / "results").exists()
+
+
+def test_the_distribution_of_a_plugin_names_its_code(registry):
+    contiguous = registry.distribution(Slot.KV_CACHE, "contiguous")
+    assert (contiguous.name, contiguous.version) == ("ablate-kv-cache", "0.1.0")
+    package = REPO / "plugins" / "kv_cache" / "ablate_kv_cache"
+    assert package / "contiguous.py" in contiguous.files and package / "paged.py" in contiguous.files
+    assert all(p.is_file() and p.suffix != ".pyc" for p in contiguous.files)
+    assert list(contiguous.files) == sorted(contiguous.files)
+    naive = registry.distribution(Slot.ATTENTION, "naive")
+    assert naive.name == "ablate" and REPO / "ablate" / "baselines" / "naive_attention.py" in naive.files
+    under_test = registry.with_plugins(PagedOnlyAttention).distribution(Slot.ATTENTION, "paged-only")
+    assert under_test.name == "(not installed)" and Path(__file__).resolve() in under_test.files
 
 
 def test_block_plugins_env_blocks_one(monkeypatch):

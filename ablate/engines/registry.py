@@ -2,7 +2,7 @@
 through `ablate.plugins`: `hf = "ablate.engines.hf:HFGenerate"` in a package's pyproject.toml."""
 from __future__ import annotations
 
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
 from ablate.engines.contract import OutsideEngine
 
@@ -11,22 +11,35 @@ OWN_ENGINE = "ablate"        # engine.name of an arm that runs ablate's own engi
 
 
 def engine_names() -> list[str]:
-    return sorted(ep.name for ep in entry_points(group=GROUP))
+    return sorted({ep.name for ep in entry_points(group=GROUP)})
+
+
+def _supplier(ep: EntryPoint) -> str:
+    """`ep`'s value and the distribution declaring it, for messages: `mod:Class from dist 1.0`."""
+    return f"{ep.value} from {ep.dist.name} {ep.dist.version}" if ep.dist is not None else ep.value
 
 
 def load_engine(where: str, name: str) -> type[OutsideEngine]:
-    """The class of outside engine `name`; a ValueError naming the known ones when there is none, or
-    naming the entry point when it does not give an OutsideEngine."""
-    points = {ep.name: ep for ep in entry_points(group=GROUP)}
-    if name not in points:
+    """The class of outside engine `name`; a ValueError naming the known ones when there is none,
+    naming the distributions when two declare it, or naming the entry point when it does not load
+    or does not give an OutsideEngine."""
+    points = [ep for ep in entry_points(group=GROUP) if ep.name == name]
+    if not points:
         raise ValueError(f"{where}: unknown engine {name!r}; engines are {OWN_ENGINE} (this one) and "
-                         f"{', '.join(sorted(points)) or 'none installed'} (entry points of group {GROUP})")
+                         f"{', '.join(engine_names()) or 'none installed'} (entry points of group {GROUP})")
+    if len({ep.value for ep in points}) > 1:          # which one ran would depend on the listing's order
+        raise ValueError(f"{where}: engine {name!r} is ambiguous: declared by {' and '.join(map(_supplier, points))}; "
+                         f"uninstall all but one")
+    point = points[0]
     try:
-        cls = points[name].load()
-    except Exception as err:                       # a broken third-party package: say which and why
-        raise ValueError(f"{where}: engine {name!r} ({points[name].value}) failed to load: "
-                         f"{type(err).__name__}: {err}") from None
+        cls = point.load()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:     # a broken third-party package, even one calling sys.exit: say which and why
+        what = (f"SystemExit: it calls sys.exit({err.code!r}) when imported" if isinstance(err, SystemExit)
+                else f"{type(err).__name__}: {err}")
+        raise ValueError(f"{where}: engine {name!r} ({_supplier(point)}) failed to load: {what}") from None
     if not (isinstance(cls, type) and issubclass(cls, OutsideEngine)) or cls.name != name:
-        raise ValueError(f"{where}: engine {name!r} ({points[name].value}) is not an OutsideEngine subclass "
+        raise ValueError(f"{where}: engine {name!r} ({_supplier(point)}) is not an OutsideEngine subclass "
                          f"with name = {name!r} (ablate.engines.contract)")
     return cls

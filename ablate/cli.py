@@ -18,7 +18,7 @@ from ablate.engine.registry import conf_dir, default_registry, register_configs,
 
 def list_plugins() -> None:
     rows = default_registry().table()
-    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in ("slot", "name", "source", "status")}
+    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in ("slot", "name", "source", "version", "status")}
     print("  ".join(k.ljust(w) for k, w in widths.items()))
     for r in rows:
         print("  ".join(str(r[k]).ljust(w) for k, w in widths.items()))

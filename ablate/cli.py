@@ -3,7 +3,8 @@
 `python -m ablate plugins` lists the plugins found; `python -m ablate book [section=7.3]` prints the
 chapter's claims with the project's figures and verdicts; `python -m ablate compare <run> <run>` compares
 two result folders; `python -m ablate collect results/<experiment> [--out DIR]` joins every job of a
-sweep into sweep_runs/sweep_summary tables (CSV and Parquet) and a sweep report.
+sweep into sweep_runs/sweep_summary tables (CSV and Parquet) and a sweep report; `python -m ablate repro
+[--processes N] <overrides...>` runs one experiment in N fresh processes and says whether their speedups agree.
 """
 from __future__ import annotations
 
@@ -96,6 +97,10 @@ def _main() -> None:
     if sys.argv[1:2] == ["collect"]:
         from ablate.report.collect import main as collect
         collect(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["repro"]:
+        from ablate.report.repro import main as repro
+        repro(sys.argv[2:])
         return
     import hydra
     from hydra.core.hydra_config import HydraConfig

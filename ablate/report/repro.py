@@ -30,6 +30,7 @@ import math
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +38,7 @@ import pandas as pd
 
 from ablate.analysis.stats import MIN_ROUNDS, Interval, log_interval
 from ablate.report.compare import baseline_arm, load_runs
-from ablate.results import runs_under, write_atomic
+from ablate.results import Results, runs_under, write_atomic
 
 PROCESSES = 3
 SET_BY_REPRO = ("redo", "hydra.run.dir")      # every process is measured afresh, in its own folder
@@ -207,6 +208,42 @@ def new_folder(out: str | None, overrides: list[str]) -> Path:
     return folder.resolve()
 
 
+@dataclass
+class Reproduction:
+    folder: Path                # <out>: process<i>/, process<i>.log, repro.csv, repro.json
+    runs: list[Results]         # each process's run, in order
+    point_keys: list[str]       # the experiment's grid keys
+    baseline: str
+    table: pd.DataFrame         # agreement(): one row per grid point x arm but the baseline
+
+
+def check_overrides(overrides: list[str], num_processes: int) -> None:
+    """Bad input, refused before anything runs."""
+    if num_processes < 2:
+        raise ValueError(f"--processes {num_processes}: at least 2 are needed to see a run-to-run spread")
+    if set_here := [o for o in overrides if o.lstrip("+~").split("=", 1)[0] in SET_BY_REPRO]:
+        raise ValueError(f"{' '.join(set_here)}: repro sets {' and '.join(SET_BY_REPRO)} itself (a fresh measurement "
+                         "per process, each in its own folder): drop it")
+
+
+def reproduce(overrides: list[str], num_processes: int, folder: Path) -> Reproduction:
+    """Run the experiment in `num_processes` fresh processes into `folder` (new_folder), one after
+    another, and write the agreement of their speedups there (repro.csv, repro.json)."""
+    check_overrides(overrides, num_processes)
+    overrides = [o for o in overrides if not o.startswith("results_dir=")]     # each process gets its own
+    runs = [load_runs(run_process(overrides, folder, 1, num_processes))]
+    point_keys = list((runs[0].config.get("experiment") or {}).get("grid") or {})
+    baseline = baseline_arm(runs[0])
+    if agreement([runs[0].summary], point_keys, baseline).empty:     # before spending the other processes
+        raise ValueError(f"the experiment has no arm besides its baseline {baseline!r}: no speedup to reproduce "
+                         "(name the arms in experiment.arms)")
+    runs += [load_runs(run_process(overrides, folder, i, num_processes)) for i in range(2, num_processes + 1)]
+    table = agreement([r.summary for r in runs], point_keys, baseline)
+    write_atomic(folder / "repro.csv", table.to_csv(index=False))
+    write_atomic(folder / "repro.json", json.dumps(json.loads(table.to_json(orient="records")), indent=2))
+    return Reproduction(folder, runs, point_keys, baseline, table)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ablate repro", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -214,27 +251,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="the repro folder, new or empty (default: <results_dir>/repro/<time>)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the experiment, e.g. +experiment=quickstart")
     args = parser.parse_intermixed_args(argv)
-    if args.processes < 2:
-        raise ValueError(f"--processes {args.processes}: at least 2 are needed to see a run-to-run spread")
-    if set_here := [o for o in args.overrides if o.lstrip("+~").split("=", 1)[0] in SET_BY_REPRO]:
-        raise ValueError(f"{' '.join(set_here)}: repro sets {' and '.join(SET_BY_REPRO)} itself (a fresh measurement "
-                         "per process, each in its own folder): drop it")
-    overrides = [o for o in args.overrides if not o.startswith("results_dir=")]
-    folder = new_folder(args.out, args.overrides)
-
-    results = [load_runs(run_process(overrides, folder, 1, args.processes))]
-    point_keys = list((results[0].config.get("experiment") or {}).get("grid") or {})
-    baseline = baseline_arm(results[0])
-    if agreement([results[0].summary], point_keys, baseline).empty:     # before spending the other processes
-        raise ValueError(f"the experiment has no arm besides its baseline {baseline!r}: no speedup to reproduce "
-                         "(name the arms in experiment.arms)")
-    results += [load_runs(run_process(overrides, folder, i, args.processes)) for i in range(2, args.processes + 1)]
-    table = agreement([r.summary for r in results], point_keys, baseline)
-    write_atomic(folder / "repro.csv", table.to_csv(index=False))
-    write_atomic(folder / "repro.json", json.dumps(json.loads(table.to_json(orient="records")), indent=2))
-
-    print(f"\nspeedup over {baseline} in {args.processes} fresh processes (95% intervals; "
-          f"{folder / 'repro.csv'}):\n")
-    print(console_table(table, point_keys))
-    print("\n" + closing_line(table, args.processes))
-    sys.exit(0 if (table["verdict"] == AGREE).all() else 1)
+    check_overrides(args.overrides, args.processes)
+    done = reproduce(args.overrides, args.processes, new_folder(args.out, args.overrides))
+    print(f"\nspeedup over {done.baseline} in {args.processes} fresh processes (95% intervals; "
+          f"{done.folder / 'repro.csv'}):\n")
+    print(console_table(done.table, done.point_keys))
+    print("\n" + closing_line(done.table, args.processes))
+    sys.exit(0 if (done.table["verdict"] == AGREE).all() else 1)

@@ -3,7 +3,9 @@
 What is measured is kept first: every finished round is written to the run folder as it completes
 (runs.csv, requests.csv), so a job killed or failed midway keeps its rounds, and running the same
 config again measures only the rounds still missing, provided the same code measured them
-(ablate.results.code_version; other code: the old rounds are set aside, not mixed in). After the
+(ablate.results.code_version; other code: the old rounds are set aside, not mixed in) and the same
+weights, plugin packages and outside engines (ablate.experiment.identity: otherwise the earlier
+run, finished or not, is set aside with what changed). After the
 measurement, the summary and done.json are written before anything that may fail for reasons of
 its own (the report's figures, the sample text, W&B): those are best effort, and a failure there
 is a warning recorded in done.json.
@@ -27,6 +29,8 @@ from ablate.engine.arm import Arm
 from ablate.engine.registry import Registry
 from ablate.experiment.ablation import ARMS_TABLE
 from ablate.experiment.config import RunConfig, to_run_config
+from ablate.experiment.identity import KEY as IDENTITY_KEY
+from ablate.experiment.identity import measured_inputs, recorded_inputs, what_changed
 from ablate.experiment.plan import make_plan
 from ablate.experiment.run import ExperimentResult, run_experiment
 from ablate.measure import device as dev
@@ -113,6 +117,9 @@ def _job(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swallow_
 def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swallow_errors: bool,
              job_dir: str | None, say, device: torch.device, folder: RunFolder) -> RunFolder | None:
     code = code_version()
+    inputs = measured_inputs(cfg.model, plan.arms, registry)    # weights, plugin packages, outside engines
+    if folder.path.exists() and not cfg.redo and (changed := what_changed(recorded_inputs(folder.path), inputs)):
+        folder.set_aside(f"not reused: what it measured changed since ({changed})")
     if folder.is_done and not cfg.redo:
         say(f"already finished, skipped (redo=true runs it again): {folder.path}")
         if folder.code_version not in (None, code):
@@ -131,7 +138,7 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
     free_bytes = dev.free_memory_bytes(device)
     peaks = _peaks(cfg, device, say)
     env = environment(dev.describe(device) | {"free_memory_bytes_at_start": free_bytes}) | {
-        "peaks": peaks.record() if peaks else None}
+        "peaks": peaks.record() if peaks else None, IDENTITY_KEY: inputs}
     folder.start(raw, env, redo=cfg.redo)
     _link(job_dir, folder)
     say(f"results: {folder.path}")

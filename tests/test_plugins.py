@@ -2,6 +2,7 @@
 and a third-party plugin installed as a real package."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -295,9 +296,7 @@ def test_a_built_in_name_supplied_twice_is_refused_naming_both(tmp_path, monkeyp
     assert theirs.get(Slot.KV_CACHE, "contiguous") is OtherContiguous
     supplier = theirs.distribution(Slot.KV_CACHE, "contiguous")
     assert (supplier.name, supplier.version) == ("other-kv", "1.5")
-    assert theirs.record({(Slot.KV_CACHE, "contiguous")}) == [
-        {"slot": "kv_cache", "name": "contiguous", "target": "tests.test_plugins:OtherContiguous",
-         "distribution": "other-kv", "version": "1.5"}]
+    assert Path(__file__).resolve() in supplier.files
 
 
 def test_two_third_party_distributions_naming_one_plugin_are_refused(tmp_path, monkeypatch):
@@ -450,10 +449,10 @@ def plugin_site(tmp_path_factory) -> Path:
     return site
 
 
-def run_cli(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+def run_cli(site: Path, cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path,
-           "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+           "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **(env or {})}
     return subprocess.run([sys.executable, "-m", "ablate", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -463,15 +462,14 @@ def test_installed_third_party_plugin_is_listed_and_runs(plugin_site, tmp_path):
     assert "ablate_recording_kv" not in sys.modules      # this process never imported it
     listing = run_cli(plugin_site, tmp_path, "plugins")
     assert listing.returncode == 0, listing.stderr
-    rows = [line.split(None, 4) for line in listing.stdout.split("\n\n")[0].splitlines()[1:]]   # then the engines
+    rows = [line.rstrip().split(None, 4) for line in listing.stdout.split("\n\n")[0].splitlines()[1:]]   # then the engines
     by_name = {(r[0], r[1]): r for r in rows}
-    assert by_name[("kv_cache", "recording")][2:] == ["ablate-recording-kv", "loaded"]
+    assert by_name[("kv_cache", "recording")][2:] == ["ablate-recording-kv", "0.0.1", "loaded"]
     broken = by_name[("attention", "broken")]
-    assert broken[2] == "ablate-broken-plugin"
-    status = " ".join(broken[3:])
-    assert status.startswith("error: ImportError: ablate_broken_plugin needs libbroken")
+    assert broken[2:4] == ["ablate-broken-plugin", "0.0.1"]
+    assert broken[4].startswith("error: ImportError: ablate_broken_plugin needs libbroken")
     for (slot, name), source in BUILT_INS.items():
-        assert by_name[(slot, name)][2:4] == [source, "loaded"]
+        assert by_name[(slot, name)][2:5:2] == [source, "loaded"]
     assert "'attention.broken'" in listing.stderr            # the warning names it
 
     results = tmp_path / "results"
@@ -491,3 +489,66 @@ def test_installed_third_party_plugin_is_listed_and_runs(plugin_site, tmp_path):
     assert recording["kv_cache.recorded_writes"] == 2 * (16 + 6)
     assert recording["kv_reserved_peak_bytes"] == 8 * 12 * 512          # contiguous: 8 slots x 12 tokens
     assert recording["output_tokens"] == 8
+
+
+# -- the same, through the command line ---------------------------------------------------------------------
+
+TINY_RUN = ("wandb.mode=disabled", "experiment.repeats=1", "experiment.warmup=0", "workload.num_requests=2",
+            "workload.output_len=4", "workload.prompt_len=8", "device=cpu", "threads=1", "peak_bandwidth=1e10",
+            "peak_flops=1e11")
+
+
+@pytest.mark.slow
+def test_cli_goes_on_past_a_plugin_that_exits_at_import(tmp_path):
+    site = tmp_path / "site"
+    fake_distribution(site, "ablate-exits", "0.3", {"kv_cache.exits": "ablate_exits_plugin:Cache"},
+                      {"ablate_exits_plugin": "import sys\nsys.exit(0)\n"})
+    listing = run_cli(site, tmp_path, "plugins")
+    assert listing.returncode == 0, listing.stderr
+    lines = listing.stdout.split("\n\n")[0].splitlines()[1:]           # then the engines
+    rows = {tuple(line.split()[:2]): line.rstrip().split(None, 4)[2:] for line in lines}
+    assert rows[("kv_cache", "exits")] == ["ablate-exits", "0.3",
+                                           "error: SystemExit: it calls sys.exit(0) when imported"]
+    for (slot, name), source in BUILT_INS.items():
+        assert rows[(slot, name)][0::2] == [source, "loaded"]
+    assert ("ablate: plugin 'kv_cache.exits' (ablate_exits_plugin:Cache, from ablate-exits 0.3) could not be loaded "
+            "and is skipped: SystemExit") in listing.stderr
+    run = run_cli(site, tmp_path, "kv_cache=exits", f"results_dir={tmp_path / 'results'}", *TINY_RUN)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "kv_cache.exits from ablate-exits is error: SystemExit: it calls sys.exit(0) when imported" in run.stderr
+    assert not (tmp_path / "results").exists()
+
+
+OTHER_CONTIGUOUS = """
+from ablate_kv_cache.contiguous import ContiguousKVCache
+
+
+class OtherContiguous(ContiguousKVCache):
+    \"\"\"Another package's cache that is also called `contiguous`.\"\"\"
+"""
+
+
+@pytest.mark.slow
+def test_cli_refuses_an_ambiguous_plugin_until_one_is_blocked(tmp_path):
+    site = tmp_path / "site"
+    fake_distribution(site, "other-kv", "1.5", {"kv_cache.contiguous": "ablate_other_kv:OtherContiguous"},
+                      {"ablate_other_kv": OTHER_CONTIGUOUS})
+    results = tmp_path / "results"
+    refused = run_cli(site, tmp_path, "kv_cache=contiguous", f"results_dir={results}", *TINY_RUN)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    (line,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert line == ("error: kv_cache=contiguous is ambiguous: supplied by ablate-kv-cache 0.1.0 "
+                    "(ablate_kv_cache.contiguous:ContiguousKVCache) and other-kv 1.5 "
+                    "(ablate_other_kv:OtherContiguous); keep one by blocking the others, e.g. ABLATE_BLOCK_PLUGINS=other-kv:kv_cache.contiguous keeps "
+                    "ablate-kv-cache's, or uninstall one")
+    assert not results.exists()
+    # an arm that does not choose it runs as usual
+    assert run_cli(site, tmp_path, "kv_cache=dynamic", f"results_dir={results}", *TINY_RUN).returncode == 0
+    chosen = run_cli(site, tmp_path, "kv_cache=contiguous", f"results_dir={results}", *TINY_RUN,
+                     env={"ABLATE_BLOCK_PLUGINS": "other-kv:kv_cache.contiguous"})
+    assert chosen.returncode == 0, chosen.stderr[-2000:]
+    (environment,) = [p for p in results.rglob("environment.json")
+                      if json.loads((p.parent / "config.json").read_text())["kv_cache"]["name"] == "contiguous"]
+    packages = json.loads(environment.read_text())["measured_inputs"]["plugin_packages"]
+    assert packages["ablate-kv-cache"]["version"] == "0.1.0"
+    assert packages["ablate-kv-cache"]["plugins"] == ["kv_cache.contiguous"]

@@ -85,7 +85,8 @@ class Registry:
 
     def get(self, slot: Slot, name: str) -> type[Plugin]:
         if (slot, name) not in self.plugins:
-            rivals = [i for i in self.infos if i.status.startswith("ambiguous") and (i.slot, i.name) == (slot.value, name)]
+            rivals = [i for i in self.infos
+                      if i.status.startswith("ambiguous") and (i.slot, i.name) == (slot.value, name)]
             if rivals:
                 raise AmbiguousPlugin(_ambiguity(slot.value, name, rivals))
             raise UnknownPlugin(
@@ -100,16 +101,6 @@ class Registry:
         cls = self.get(slot, name)
         info = self._loaded[(slot, name)]
         return PluginDistribution(info.source, info.version, _import_package_files(cls.__module__))
-
-    def record(self, chosen: set[tuple[Slot, str]]) -> list[dict[str, str | None]]:
-        """For a run's results: one row per chosen plugin, naming the distribution that supplied it."""
-        rows = []
-        for slot, name in sorted(chosen, key=lambda key: (key[0].value, key[1])):
-            self.get(slot, name)
-            info = self._loaded[(slot, name)]
-            rows.append({"slot": slot.value, "name": name, "target": info.target, "distribution": info.source,
-                         "version": info.version})
-        return rows
 
     def _why_missing(self, slot: Slot, name: str) -> str:
         for info in self.infos:
@@ -234,7 +225,8 @@ def _ambiguity(slot: str, name: str, rivals: list[PluginInfo]) -> str:
         block = ",".join(f"{_canonical(i.source)}:{slot}.{name}" for i in rivals if i is not keep)
         how = f"keep one by blocking the others, e.g. {BLOCK_ENV}={block} keeps {keep.source}'s"
     else:
-        how = f"keep one by blocking the others' entry points in {BLOCK_ENV} ({', '.join(i.entry_point for i in rivals)})"
+        points = ", ".join(i.entry_point for i in rivals)
+        how = f"keep one by blocking the others' entry points in {BLOCK_ENV} ({points})"
     return f"{slot}={name} is ambiguous: supplied by {supplied}; {how}, or uninstall one"
 
 
@@ -281,8 +273,8 @@ def discover(blocked: tuple[str, ...] = ()) -> Registry:
     unknown = sorted(env_blocked - names)
     if unknown:    # a typo would otherwise block nothing, silently
         raise ValueError(f"{BLOCK_ENV}={os.environ[BLOCK_ENV]}: {', '.join(unknown)} names no plugin; entries are "
-                         f"slot.name or <distribution>:slot.name, e.g. kv_cache.paged or ablate-kv-cache:kv_cache.paged "
-                         f"(python -m ablate plugins lists them)")
+                         "slot.name or <distribution>:slot.name, e.g. kv_cache.paged or "
+                         "ablate-kv-cache:kv_cache.paged (python -m ablate plugins lists them)")
     return Registry(infos)
 
 

@@ -120,6 +120,13 @@ def test_a_folder_that_already_holds_files_is_refused(tmp_path):
         main(["kv_cache=contiguous", "--out", str(tmp_path)])
 
 
+@pytest.mark.slow       # one `python -m ablate` process, refused before it measures
+def test_a_config_the_first_process_refuses_is_bad_input_and_nothing_more_runs(tmp_path):
+    with pytest.raises(ValueError, match=r"process 1 refused the experiment: experiment.repeats must be >= 1"):
+        main(["--out", str(tmp_path), "kv_cache=contiguous", "experiment.repeats=-1", "device=cpu"])
+    assert not any(tmp_path.glob("process2*"))
+
+
 QUICK = ["model=tiny", "model.init=random", "experiment.repeats=3", "experiment.warmup=0", "workload.num_requests=2",
          "workload.prompt_len=8", "workload.output_len=4", "wandb.mode=disabled", "device=cpu", "threads=1",
          "peak_bandwidth=1e10", "peak_flops=1e11"]     # benchmarks/bad_inputs.py's QUICK: a tiny, quick run

@@ -61,12 +61,15 @@ def run_process(overrides: list[str], folder: Path, index: int, num_processes: i
     with open(log, "w") as output:
         returncode = subprocess.run(process_command(overrides, results_dir), stdout=output,
                                     stderr=subprocess.STDOUT).returncode
-    last_line = (log.read_text().strip().splitlines() or ["(no output)"])[-1].removeprefix("error: ")
-    if returncode == 2:
-        raise ValueError(f"process {index} refused the experiment: {last_line}")
     if returncode != 0:
-        print(f"error: process {index} of {num_processes} failed (exit {returncode}): {last_line}; "
-              f"its output is in {log}", file=sys.stderr, flush=True)
+        # python -m ablate ends a failure in one `error: ...` line; Hydra's own errors and signals do not
+        said = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
+        why = said[-1].removeprefix("error: ") if said else \
+            f"killed by signal {-returncode}" if returncode < 0 else f"exit {returncode}"
+        if returncode == 2:
+            raise ValueError(f"process {index} refused the experiment: {why} (its output: {log})")
+        print(f"error: process {index} of {num_processes} failed: {why}; its output is in {log}",
+              file=sys.stderr, flush=True)
         sys.exit(1)
     runs = runs_under(results_dir)
     if len(runs) != 1:

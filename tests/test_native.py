@@ -1,5 +1,8 @@
 """ablate's native CPU kernels (ablate/model/native.py): built here, equal to torch's arithmetic,
 sharing torch's threads, timed against the other product paths, and absent without a compiler."""
+import os
+import subprocess
+import sys
 import weakref
 from pathlib import Path
 
@@ -136,6 +139,97 @@ def test_the_build_is_cached_by_source_compiler_and_cpu(unbuilt, monkeypatch):
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "_cpu_signature", lambda: "another CPU")
     assert native.available() and len(list(unbuilt.glob("native-*.so"))) == 2
+
+
+# Every way a cached library's bytes can stop being those it was built with
+DAMAGES = {
+    "emptied": lambda data: b"",
+    "truncated": lambda data: data[: len(data) // 2],
+    "cut by a byte": lambda data: data[:-1],
+    "garbage": lambda data: bytes(len(data)),
+    "one byte changed": lambda data: data[:4096] + bytes([data[4096] ^ 0xFF]) + data[4097:],
+}
+
+
+def cached_library() -> Path:
+    """The library built into the cache and not loaded: damaging a library this process has mapped
+    would crash the test itself."""
+    return native._build(os.environ.get("CC", "cc"))
+
+
+def damage(path: Path, how: str) -> None:
+    path.write_bytes(DAMAGES[how](path.read_bytes()))      # in place, as a full disk or a stray `>` would
+
+
+@needs_native
+@pytest.mark.parametrize("how", DAMAGES)
+def test_a_damaged_cached_library_is_rebuilt_before_it_is_loaded(how, unbuilt):
+    damage(cached_library(), how)
+    assert native.available() and native.state() == "built"
+    [rebuilt] = unbuilt.glob("native-*.so")                # in its place (or beside it, the damaged one gone)
+    assert native._damage(rebuilt) is None
+    x, w = torch.randn(3, 40), torch.randn(40)
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-5), F.rms_norm(x, (40,), w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_a_damaged_cached_library_that_cannot_be_rebuilt_is_one_warning(unbuilt, monkeypatch):
+    built = cached_library()
+    damage(built, "truncated")
+
+    def compiler_fails(cc, cache, key):
+        raise RuntimeError(f"{cc} failed: ['native.c:1: error: out of disk space']")
+
+    monkeypatch.setattr(native, "_compile", compiler_fails)
+    with pytest.warns(UserWarning) as warned:
+        assert not native.available()
+    (message,) = [str(w.message) for w in warned]
+    assert "\n" not in message
+    assert message.startswith(f"ablate: the cached native library {built} is ")
+    assert "(truncated or overwritten), and rebuilding it failed: " in message and "out of disk space" in message
+    assert message.endswith("the native kernels are off")
+    assert native.unavailable_reason() in message and built.exists()    # left for the user to look at
+
+
+@needs_native
+def test_a_cache_entry_not_named_by_its_digest_is_not_loaded(unbuilt):
+    """A library copied in by hand (or from the old cache layout) under the key's name is not trusted."""
+    built = cached_library()
+    stray = built.with_name(built.name.rpartition("-")[0] + "-copied.so")
+    stray.write_bytes(b"\x7fELF" + bytes(100))
+    built.unlink()
+    assert native.available()
+    assert [p.name for p in unbuilt.glob("native-*.so")] == [built.name] and not stray.exists()
+
+
+# builds (or finds) the kernels and calls one: a truncated library loaded would be a SIGBUS here
+BUILD_AND_CALL = """
+import torch
+from ablate.model import native
+print(native.available(), native.unavailable_reason())
+native.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5)
+"""
+
+
+@needs_native
+@pytest.mark.slow
+@pytest.mark.parametrize("start_with", ["an empty cache", "a truncated library"])
+def test_processes_building_at_once_never_load_half_a_library(start_with, unbuilt):
+    """Two processes that find no intact library build at the same moment: each sees no file or a whole
+    one (a truncated library once loaded is a SIGBUS at its first call), and both load the kernels."""
+    env = {**os.environ, "ABLATE_CACHE_DIR": str(unbuilt), "OMP_NUM_THREADS": "1"}
+    if start_with == "a truncated library":
+        built = cached_library()
+        damage(built, "truncated")
+    workers = [subprocess.Popen([sys.executable, "-c", BUILD_AND_CALL], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    for worker in workers:
+        out, err = worker.communicate(timeout=300)
+        assert worker.returncode == 0, err[-2000:]
+        assert out.startswith("True None"), out + err
+    [library] = unbuilt.glob("native-*.so")
+    assert native._damage(library) is None
+    assert not [p for p in unbuilt.iterdir() if p.is_dir()]          # no build folder left behind
 
 
 @pytest.mark.parametrize("why", ["no compiler", "switched off"])

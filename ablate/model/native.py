@@ -19,6 +19,12 @@ its own. No compiler, or a build that fails: `available()` is False, the reason 
 `unavailable_reason()`, and every product takes one of torch's paths. ABLATE_NATIVE=0 switches the
 kernels off.
 
+A cached library is loaded only when its bytes are those it was built with: its file name ends in the
+first 16 hex digits of their sha256. Loading an emptied one would fail (and turn the kernels off for
+good) and loading a truncated one maps pages past its end (SIGBUS at the first call), so a damaged
+one is rebuilt in its place; a damaged one that cannot be rebuilt is a one-line warning. Every build
+is written aside and renamed into the cache, so no process sees half a file.
+
 The library is loaded after torch, so its OpenMP runtime is the one torch loaded (the soname
 libgomp.so.1 is loaded once per process): its parallel regions share torch's thread pool.
 """
@@ -30,6 +36,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -45,6 +52,7 @@ SMALL_ROWS = 16
 # paged_decode_attention keeps a task's running outputs (query heads x D) and one block's scores in
 # arrays on its thread's stack: bounded so that they fit any thread's stack with room to spare
 MAX_TASK_FLOATS = 32768
+DIGEST_CHARS = 16                 # a cached library's name ends in this many hex digits of its sha256
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None        # why the kernels are unavailable, once known
 
@@ -59,22 +67,72 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+class DamagedCache(RuntimeError):
+    """The cached library's bytes are not those it was built with, and it could not be rebuilt."""
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("ABLATE_CACHE_DIR") or Path.home() / ".cache" / "ablate")
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _damage(path: Path) -> str | None:
+    """What is wrong with cached library `path` (named native-<key>-<sha256 prefix>.so), or None."""
+    recorded = path.stem.rpartition("-")[2]
+    if len(recorded) != DIGEST_CHARS:
+        return "not named by its digest"
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return "empty"
+        if _sha256(path)[:DIGEST_CHARS] != recorded:
+            return f"{size} bytes whose sha256 is not the one it was built with (truncated or overwritten)"
+    except OSError as err:
+        return f"unreadable ({err.strerror})"
+    return None
+
+
+def _compile(cc: str, cache: Path, key: str) -> Path:
+    """Build the library aside, then rename it into the cache under its content's digest: a reader
+    (another process included) sees no file or a whole one."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / f"native-{key}.so"
+        result = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {result.stderr.strip().splitlines()[-1:]}")
+        target = cache / f"native-{key}-{_sha256(built)[:DIGEST_CHARS]}.so"
+        os.replace(built, target)
+    return target
+
+
 def _build(cc: str) -> Path:
-    """The compiled library, built now unless the cache holds it."""
+    """The compiled library: an intact one from the cache, else built now (a damaged one rebuilt)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256("\0".join((SOURCE.read_text(), cc, version, " ".join(FLAGS), _cpu_signature()))
                          .encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("ABLATE_CACHE_DIR") or Path.home() / ".cache" / "ablate")
-    target = cache / f"native-{key}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:    # built aside, then moved: atomic
-            built = Path(tmp) / target.name
-            result = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {result.stderr.strip().splitlines()[-1:]}")
-            os.replace(built, target)
+    cache = _cache_dir()
+    damaged = {}
+    for cached in sorted(cache.glob(f"native-{key}-*.so")):
+        damage = _damage(cached)
+        if damage is None:
+            return cached
+        damaged[cached] = damage
+    try:
+        target = _compile(cc, cache, key)
+    except (OSError, RuntimeError) as err:
+        if not damaged:
+            raise
+        path, damage = next(iter(damaged.items()))
+        raise DamagedCache(f"the cached native library {path} is {damage}, and rebuilding it failed: {err}; "
+                           f"delete it and check that {cc!r} compiles {SOURCE.name}") from err
+    for path in damaged:       # the rebuild replaced it when its name was the rebuild's; else it is litter
+        if path != target and _damage(path) is not None:
+            path.unlink(missing_ok=True)
     return target
 
 
@@ -88,6 +146,10 @@ def library() -> ctypes.CDLL | None:
         cc = os.environ.get("CC", "cc")
         try:
             lib = ctypes.CDLL(str(_build(cc)))
+        except DamagedCache as exc:        # the kernels worked here before: turning them off is news
+            _reason = str(exc)
+            warnings.warn(f"ablate: {exc}; the native kernels are off", stacklevel=2)
+            return None
         except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
             _reason = f"could not build {SOURCE.name} with {cc!r}: {exc}"
             return None

@@ -97,7 +97,9 @@ def process_status(row: pd.Series | None) -> tuple[str, Interval]:
     if row is None:
         return "missing", interval
     status = str(row.get("status", "ok"))
-    if status == "ok" and _is_true(row.get("noisy", False)):   # measured under contention: its interval is not one
+    # noisy: measured on a contended CPU. A status now; a summary flag (then: run-time CV above 10%)
+    # before it was one. Either way its interval is not the machine's own spread, so not compared.
+    if status == "ok" and _is_true(row.get("noisy", False)):
         status = "noisy"
     if status == "ok" and not interval.is_supported:
         status = f"no interval ({note or 'no speedup'})"

@@ -107,7 +107,8 @@ def process_status(row: pd.Series | None) -> tuple[str, Interval]:
 
 
 def needed_widening(intervals: list[Interval], centre: float) -> float:
-    """How many times wider (log scale) the widest-missing interval must be to contain `centre`."""
+    """How many times wider (log scale) the intervals must be for every one to contain `centre`
+    (<= 1: they all do already)."""
     worst = 0.0
     for interval in intervals:
         distance = abs(math.log(interval.center / centre))

@@ -24,6 +24,7 @@ from ablate.engine.registry import GROUP, AmbiguousPlugin, PluginInfo, Registry,
 from ablate.model.llama import LlamaModel
 from ablate_kv_cache.contiguous import ContiguousKVCache
 from ablate_kv_cache.dynamic import DynamicKVCache
+from fake_distributions import fake_distribution
 
 BUILT_INS = {
     ("variant", "none"): "ablate",
@@ -206,20 +207,6 @@ def test_broken_plugin_is_a_warning_naming_it_not_a_crash(monkeypatch):
 
 
 # -- what a distribution's import may do, and two distributions naming one plugin ---------------------------
-
-def fake_distribution(site: Path, name: str, version: str, entry_points_: dict[str, str],
-                      modules: dict[str, str] | None = None) -> PathDistribution:
-    """A distribution as an installer leaves it in `site` (its .dist-info metadata beside its modules),
-    without running an installer: importlib.metadata finds it on sys.path as it finds any other."""
-    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    (info / "entry_points.txt").write_text(f"[{GROUP}]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points_.items()))
-    for module, code in (modules or {}).items():
-        (site / module).mkdir()
-        (site / module / "__init__.py").write_text(textwrap.dedent(code))
-    return PathDistribution(info)
-
 
 def distribution_points(dist: PathDistribution) -> list[EntryPoint]:
     return list(dist.entry_points.select(group=GROUP))

@@ -12,9 +12,14 @@ import os
 import sys
 import traceback
 
-from omegaconf import DictConfig, OmegaConf
+from ablate.measure import cpu_policy
 
-from ablate.engine.registry import conf_dir, default_registry, register_configs, unknown_option
+# before torch loads (the registry imports it): OpenMP reads how its threads wait only then
+cpu_policy.prepare()
+
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from ablate.engine.registry import conf_dir, default_registry, register_configs, unknown_option  # noqa: E402
 
 
 def list_plugins() -> None:

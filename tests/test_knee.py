@@ -99,7 +99,7 @@ def test_a_rate_sweep_under_a_ttft_slo_reports_its_knee():
     assert knee_row(knee, "static").knee_rate == 2.0 and set(knee["target"]) == {0.8}
     assert set(knee["ttft_slo_ms"]) == {2000.0}
     assert table_name("Goodput knee") == "analytic_goodput_knee"      # the run folder's CSV
-    page = markdown("ch10_batching", summary.assign(label=summary["arm"], noisy=False), ["rate"], [], analytic=tables)
+    page = markdown("ch10_batching", summary.assign(label=summary["arm"], unstable=False), ["rate"], [], analytic=tables)
     assert "## Goodput knee" in page and "knee_rate" in page
     # no SLO, no rate grid, or no summary yet: nothing to say
     assert report_tables({"experiment": {"grid": {"rate": RATES}}}, summary) == {}

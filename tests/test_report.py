@@ -38,7 +38,7 @@ def summary_frame(grid: dict[str, list], arms=("base", "cache"), **columns) -> p
             row = {**point.to_dict(), "arm": arm, "label": arm, "speedup": speedup,
                    "speedup_ci_low": 1.0 if i == 0 else speedup - 0.5,
                    "speedup_ci_high": 1.0 if i == 0 else speedup + 0.5,
-                   "predicted_speedup": 1.0 if i == 0 else speedup * 1.2, "duration_cv": 0.02, "noisy": False,
+                   "predicted_speedup": 1.0 if i == 0 else speedup * 1.2, "duration_cv": 0.02, "unstable": False,
                    "output_throughput_tok_s": 100.0 * (i + 1), "peak_memory_bytes": 2**20 * (1 + i),
                    "kv_reserved_peak_bytes": 2**19 * i, "ttft_p50_ms": 10.0 + i, "ttft_p99_ms": 20.0 + i,
                    "tpot_p50_ms": 5.0 + i, "tpot_p99_ms": 9.0 + i}
@@ -131,11 +131,11 @@ def test_markdown_has_the_tables_the_results_call_for_and_the_noise_warnings():
     frame = summary_frame({}, arms=("ar", "ngram_k2"), **{"decoding.k": lambda n, i: np.nan if i == 0 else 2.0,
                                                           "decoding.alpha": lambda n, i: np.nan if i == 0 else 0.6,
                                                           "decoding.drafter": lambda n, i: None if i == 0 else "ngram"})
-    frame.loc[1, ["duration_cv", "noisy"]] = [0.25, True]
+    frame.loc[1, ["duration_cv", "unstable"]] = [0.25, True]
     text = markdown("ch11", frame, [], ["a note"], {"speedup": Path("speedup.png")}, declared=SPECULATIVE)
     assert text.startswith("# ch11\n") and "## Speculative decoding" in text and "| ngram_k2 |" in text
     assert "## KV bytes" not in text
-    assert "- a note" in text and "**warning**: arm ngram_k2: run-time CV 25%" in text
+    assert "- a note" in text and "- ngram_k2: run times varied 25% between rounds" in text
     assert "![speedup](speedup.png)" in text and "*Speedup of each arm" in text
 
 

@@ -14,7 +14,7 @@ round saw the same machine), as with / without ratios, their geometric mean and 
                        2x2 factorial interaction (1: independent, multiplicative effects); judged by
                        the same rule. Nested pairs (b requires a) have no such square and are not judged.
                        A pair is reported whenever its four arms were measured, `pairs: true` or not.
-An arm the quality guardrail marked degraded keeps its ratios, and every row using it says what it
+Rounds measured on a contended CPU are left out. An arm the quality guardrail marked degraded keeps its ratios, and every row using it says what it
 lost (the note): a faster arm whose text degenerated is read with that cost.
 """
 from __future__ import annotations
@@ -39,8 +39,11 @@ METRICS: dict[str, tuple[str, bool]] = {
 
 
 def per_round(runs: pd.DataFrame, arm: str, metric: str) -> pd.Series:
-    """The metric of one arm, indexed by round (repeat); empty for an arm that never ran."""
+    """The metric of one arm, indexed by round (repeat); empty for an arm that never ran. A round in
+    which other work took the CPU (`contended`, ablate.measure.cpu_load) is left out, as for speedups."""
     frame = runs[runs["arm"] == arm]
+    if "contended" in frame:
+        frame = frame[~frame["contended"].astype("boolean").fillna(False).to_numpy(bool)]
     if metric not in frame:
         return pd.Series(dtype=float)
     return frame.set_index("repeat")[metric].astype(float)

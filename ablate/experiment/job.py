@@ -33,6 +33,7 @@ from ablate.experiment.identity import KEY as IDENTITY_KEY
 from ablate.experiment.identity import measured_inputs, recorded_inputs, what_changed
 from ablate.experiment.plan import make_plan
 from ablate.experiment.run import ExperimentResult, run_experiment
+from ablate.measure import cpu_policy
 from ablate.measure import device as dev
 from ablate.measure import hardware
 from ablate.model.config import resolve_dtype
@@ -43,7 +44,7 @@ from ablate.report.console import job_prefix
 from ablate.report.declared import FILE as DECLARATIONS_FILE
 from ablate.book.chapter_tables import chapter_tables, table_name
 from ablate.report.page import write_report
-from ablate.report.tables import console_table
+from ablate.report.tables import console_table, summary_notes
 from ablate.report.wandb_log import log_failed_run, log_run, summary_metrics, warn
 from ablate.results import RunFolder, code_version, environment
 
@@ -89,8 +90,7 @@ def run_job(raw: dict[str, Any], registry: Registry, swallow_errors: bool = Fals
     plan = make_plan(cfg, registry)               # incompatible plugins are refused here, before loading
     say = _printer(job_prefix())
     threads_before = torch.get_num_threads()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cpu_policy.threads_for_job(cfg.threads, threads_before))
     try:
         return _job(cfg, raw, plan, registry, swallow_errors, job_dir, say)
     finally:
@@ -139,6 +139,11 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
     peaks = _peaks(cfg, device, say)
     env = environment(dev.describe(device) | {"free_memory_bytes_at_start": free_bytes}) | {
         "peaks": peaks.record() if peaks else None, IDENTITY_KEY: inputs}
+    if device.type == "cpu":
+        policy = cpu_policy.prepare()
+        env["cpu_policy"] = policy.record() | {"threads": torch.get_num_threads()}
+        say(f"CPU: {policy.machine}, {torch.get_num_threads()} threads, OpenMP waiting: {policy.wait_policy} "
+            f"({policy.reason})")
     folder.start(raw, env, redo=cfg.redo)
     _link(job_dir, folder)
     say(f"results: {folder.path}")
@@ -208,7 +213,7 @@ def _publish(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Exper
     """The report, the console table, the sample and W&B: each best effort; returns what failed and
     the W&B run's folder."""
     point_keys = list(cfg.experiment.grid)
-    warnings: list[str] = []
+    warnings: list[str] = summary_notes(result.summary, point_keys)    # printed under the console table
 
     def attempt(what: str, action) -> Any:
         try:

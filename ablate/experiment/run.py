@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 from tqdm import tqdm
 
 from ablate.analysis.stats import log_interval
@@ -43,7 +44,8 @@ from ablate.experiment import quality_guard as quality
 from ablate.experiment.arm_run import ArmRun, expects_baseline_tokens, run_once, with_fixed_kv_budget
 from ablate.experiment.config import ExperimentConfig
 from ablate.experiment.quality_weights import ScoredWeights
-from ablate.experiment.summary import summarise_arms
+from ablate.experiment.summary import clean_ratios, summarise_arms
+from ablate.measure.cpu_load import CpuShareMeter
 from ablate.measure.exactness import compare_greedy
 from ablate.measure.hardware import Peaks
 from ablate.measure.metrics import goodput, ttft_slo_attainment
@@ -148,10 +150,12 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
             status = "skipped" if arm.name in skipped else "failed"
             return ArmRun({"status": status, "status_detail": failed[arm.name]}, pd.DataFrame(), [])
         try:
-            if arm.outside is not None:
-                run = outside.run(arm, model, requests, exp.track_memory)
-            else:
-                run = run_once(arm, model, requests, engine_cfg, registry, peaks, exp.recorder, exp.track_memory)
+            with CpuShareMeter(host_threads(model)) as cpu:
+                if arm.outside is not None:
+                    run = outside.run(arm, model, requests, exp.track_memory)
+                else:
+                    run = run_once(arm, model, requests, engine_cfg, registry, peaks, exp.recorder, exp.track_memory)
+            run.row |= cpu.row()
         except (PluginError, SystemExit, OutsideEngineError) as err:   # SystemExit: a plugin's sys.exit
             failed[arm.name] = (f"a plugin of the arm called sys.exit({err})" if isinstance(err, SystemExit)
                                 else f"{err}")
@@ -162,7 +166,9 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
             run.row["goodput_req_s"] = goodput(run.requests, exp.ttft_slo_ms, exp.tpot_slo_ms, run.row["duration_s"])
         if exp.ttft_slo_ms is not None and not run.requests.empty:   # the TTFT SLO alone: goodput, attainment
             run.row |= ttft_slo_attainment(run.requests, exp.ttft_slo_ms, run.row["duration_s"])
-        progress(f"{where}: {run.row['duration_s']:.3f} s, {run.row['output_throughput_tok_s']:.1f} tok/s")
+        contended = (f", CONTENDED: others took {1 - run.row['cpu_left_share']:.0%} of its CPU, left out of the "
+                     "speedup" if run.row.get("contended") and not warmup else "")
+        progress(f"{where}: {run.row['duration_s']:.3f} s, {run.row['output_throughput_tok_s']:.1f} tok/s{contended}")
         return run
 
     try:
@@ -219,19 +225,25 @@ def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
+def host_threads(model: LlamaModel) -> int:
+    """The threads a run keeps busy: torch's on a CPU; the one that drives a GPU."""
+    return torch.get_num_threads() if next(model.parameters()).device.type == "cpu" else 1
+
+
 def _settled(rows: list[dict[str, Any]], point: dict[str, Any], baseline: str, exp: ExperimentConfig,
              started: float) -> bool:
-    """Past the minimum rounds: stop when the time budget is spent or every ok arm's speedup interval
-    is narrower than ci_target."""
+    """Past the minimum rounds: stop when the time budget is spent, or when every ok arm has `repeats`
+    rounds in which neither it nor the baseline was contended and its speedup interval over them is
+    narrower than ci_target."""
     if exp.time_budget_s and time.perf_counter() - started > exp.time_budget_s:
         return True
     here = pd.DataFrame([r for r in rows if all(r.get(k) == v for k, v in point.items())])
-    base = here[(here["arm"] == baseline) & (here["status"] == "ok")].set_index("repeat")["duration_s"]
-    for arm, frame in here[here["arm"] != baseline].groupby("arm"):
+    base = here[(here["arm"] == baseline) & (here["status"] == "ok")].set_index("repeat")
+    for _, frame in here.groupby("arm"):
         if (frame["status"] != "ok").any():
             continue
-        ratios = (base / frame.set_index("repeat")["duration_s"]).to_numpy(float)
-        if log_interval(ratios).relative_half_width > exp.ci_target:
+        clean, _ = clean_ratios(base, frame.set_index("repeat"))
+        if len(clean) < exp.repeats or log_interval(clean).relative_half_width > exp.ci_target:
             return False
     return True
 

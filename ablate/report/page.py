@@ -6,7 +6,7 @@ from pathlib import Path
 import pandas as pd
 
 from ablate.report.declared import Declarations
-from ablate.report.tables import kv_table, noise_notes, plugin_tables, summary_table
+from ablate.report.tables import kv_table, plugin_tables, summary_notes, summary_table
 
 
 def markdown(title: str, summary: pd.DataFrame, point_keys: list[str], notes: list[str],
@@ -25,7 +25,7 @@ def markdown(title: str, summary: pd.DataFrame, point_keys: list[str], notes: li
     tables |= analytic or {}
     for heading, table in tables.items():
         lines += [f"## {heading}", "", table.to_markdown(index=False), ""]
-    lines += [f"- {n}" for n in [*notes, *noise_notes(summary, point_keys)]]
+    lines += [f"- {n}" for n in [*notes, *summary_notes(summary, point_keys)]]
     if figures:
         lines += ["", "## Figures", ""]
         for name, path in figures.items():

@@ -68,12 +68,18 @@ def _column(frame: pd.DataFrame, name: str) -> pd.Series:
 def speedup_text(row: pd.Series, short: bool = False) -> str:
     """'1.87x [1.80, 1.95]'; with no interval (under 3 rounds) '1.87x [n/a: <why>]', or with `short`
     '1.87x [n/a]'; no speedup: '-' for an ok arm, its status for a failed one ('n/a' with `short`),
-    and for a degraded arm (it lost quality) its time ratio marked as such."""
+    and for a degraded arm (it lost quality) or a noisy one (other work took the CPU) its time ratio
+    marked as such."""
     if pd.isna(row.get("speedup")):
         ratio = row.get("time_ratio")
-        if row.get("status") == "degraded" and not _missing(ratio) and not pd.isna(ratio):
-            # its time, read with what it cost (the quality columns), never as a speedup of the same output
-            return f"DEGRADED ({ratio:.2f}x time)" if short else f"DEGRADED: {ratio:.2f}x time, not a speedup"
+        if row.get("status") in ("degraded", "noisy") and not _missing(ratio) and not pd.isna(ratio):
+            # its time, read with what it cost, never as a speedup of the same output on the same machine
+            status = str(row["status"]).upper()
+            if short:
+                return f"{status} ({ratio:.2f}x time)"
+            low, high = row.get("time_ratio_ci_low", math.nan), row.get("time_ratio_ci_high", math.nan)
+            bounds = f" [{low:.2f}, {high:.2f}]" if not (_missing(low) or _missing(high)) else ""
+            return f"{status}: {ratio:.2f}x{bounds} time, not a speedup"
         if short:
             return "n/a"
         return "-" if row.get("status", "ok") == "ok" else str(row["status"]).upper()
@@ -188,13 +194,27 @@ def kv_table(frame: pd.DataFrame, point_keys: list[str]) -> pd.DataFrame | None:
     return table
 
 
-def noise_notes(summary: pd.DataFrame, point_keys: list[str]) -> list[str]:
-    """One warning per arm and point whose run times varied more than NOISY_CV across repeats."""
+def summary_notes(summary: pd.DataFrame, point_keys: list[str]) -> list[str]:
+    """One line for each thing a reader of the summary must know: an arm that is not ok and why, an arm
+    some of whose rounds ran while other work took the CPU, one whose times varied more than NOISY_CV
+    across rounds, one with compilation in its time; each names its grid point by `point_keys`."""
     notes = []
-    for _, row in summary[_column(summary, "noisy").fillna(False).astype(bool)].iterrows():
-        where = " ".join(f"{k}={row[k]}" for k in point_keys)
-        notes.append(f"**warning**: arm {row['arm']}{' at ' + where if where else ''}: run-time CV "
-                     f"{row['duration_cv']:.0%} is above {NOISY_CV:.0%}; the machine was noisy, treat it with care")
+    for _, r in summary.iterrows():
+        where = " ".join(f"{k}={r[k]}" for k in point_keys)
+        arm = f"{r['arm']}{' at ' + where if where else ''}"
+        contended = r.get("contended_rounds", 0)
+        if r.get("status", "ok") != "ok":
+            notes.append(f"{arm}: {str(r['status']).upper()}: {r.get('status_detail', '')}")
+        elif not _missing(contended) and contended > 0:
+            notes.append(f"{arm}: {int(contended)} round(s) ran while other work took the CPU; its speedup rests "
+                         f"on the other {int(r['speedup_rounds'])}")
+        if bool(r.get("unstable", False)) and r.get("status", "ok") == "ok":
+            notes.append(f"{arm}: run times varied {r['duration_cv']:.0%} between rounds (above {NOISY_CV:.0%}): "
+                         "its interval is wide")
+        compiles = r.get("kernel_compiles", 0)
+        if not _missing(compiles) and compiles > 0:
+            notes.append(f"{arm}: {int(compiles)} Triton kernel variants compiled during its timed rounds: "
+                         "its time includes compilation (raise experiment.warmup)")
     return notes
 
 
@@ -247,7 +267,8 @@ def console_table(summary: pd.DataFrame, point_keys: list[str], width: int = CON
     tok/s, TTFT and TPOT p99, peak memory and (when measured) ppl ratio and token agreement, every
     line within `width` characters; report.md has the full table. Long arm names are cut in the
     middle (to ARM_COMFORT, then the least needed columns go, then to MIN_ARM_WIDTH); footer lines
-    name the units, each arm that did not finish ok and each quality flag raised."""
+    name the units, then the summary's notes (each arm not ok and why, contended rounds left out,
+    unstable times) and each quality flag raised."""
     if summary.empty:
         return "(no results)"
     arms = [str(a) for a in summary["arm"]]
@@ -286,8 +307,7 @@ def console_table(summary: pd.DataFrame, point_keys: list[str], width: int = CON
         lines.append(QUALITY_FOOTER)
     shown = dict(zip(arms, next(cells for h, cells, _ in columns if h == "arm")))
     lines += [f"{short} = {arm}" for arm, short in shown.items() if short != arm and "~" in short]
-    detail = _column(summary, "status_detail").astype(object).fillna("")
-    lines += [f"{arm}: {s.upper()}: {d}" for arm, s, d in zip(arms, status, detail) if s != "ok"]
+    lines += summary_notes(summary, [])     # once for all grid points where a note repeats (below)
     flags = _column(summary, "quality_flag")
     lines += [f"{arm}: quality flag: {f}" for arm, f in zip(arms, flags) if isinstance(f, str) and f not in ("", "ok")]
     lines = list(dict.fromkeys(lines))     # the same note at every grid point: once

@@ -25,11 +25,15 @@ LATENCY_KEYS = tuple(f"{m}_{p}_ms" for m in ("ttft", "tpot", "itl", "e2e") for p
 # summary keys per arm (and grid point), whichever of these columns the results hold
 SUMMARY_KEYS = ("speedup", "speedup_ci_low", "speedup_ci_high", "predicted_speedup", "memory_ratio",
                 "output_throughput_tok_s", "peak_memory_bytes", "kv_reserved_peak_bytes", *LATENCY_KEYS,
-                "goodput_req_s", "goodput_ttft_req_s", "ttft_slo_attained", "ppl_ratio", "token_agreement")
-TEXT_KEYS = ("status", "quality_flag")
+                "goodput_req_s", "goodput_ttft_req_s", "ttft_slo_attained", "ppl_ratio", "token_agreement",
+                "time_ratio", "time_ratio_ci_low", "time_ratio_ci_high", "contended_rounds")
+TEXT_KEYS = ("status", "status_detail", "quality_flag")   # status_detail: why an arm has no speedup, one line
 # history: one step per round, these metrics per arm (and grid point)
 ROUND_KEYS = ("duration_s", "output_throughput_tok_s", *LATENCY_KEYS, "goodput_req_s", "goodput_ttft_req_s",
-              "ttft_slo_attained", "peak_memory_bytes", "ppl_ratio", "token_agreement")
+              "ttft_slo_attained", "peak_memory_bytes", "ppl_ratio", "token_agreement",
+              # what the CPU was doing (ablate.measure.cpu_load): contended is 1 for a round left out
+              "cpu_time_share", "cpu_others_cores", "cpu_steal_share", "cpu_wait_share", "cpu_left_share",
+              "involuntary_switches", "load_1m", "contended")
 MAX_TABLE_ROWS = 100_000    # a W&B table beyond this is refused; the results folder has every row
 
 

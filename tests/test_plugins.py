@@ -303,10 +303,11 @@ def test_two_third_party_distributions_naming_one_plugin_are_refused(tmp_path, m
     assert discover_with(monkeypatch, *points).get(Slot.KV_CACHE, "shiny") is ShinyB
 
 
-def test_one_class_declared_twice_is_not_ambiguous(tmp_path, monkeypatch):
+@pytest.mark.parametrize("target", ["ablate_kv_cache.contiguous:ContiguousKVCache",   # as the package declares it
+                                    f"{__name__}:ContiguousKVCache"])                    # the same class, imported
+def test_one_class_declared_twice_is_not_ambiguous(target, tmp_path, monkeypatch):
     """An editable install beside a regular one of the same package: the same class, found twice."""
-    again = fake_distribution(tmp_path, "ablate-kv-cache", "0.1.0",
-                              {"kv_cache.contiguous": "ablate_kv_cache.contiguous:ContiguousKVCache"})
+    again = fake_distribution(tmp_path, "ablate-kv-cache", "0.1.0", {"kv_cache.contiguous": target})
     reg = discover_with(monkeypatch, *distribution_points(again))
     assert reg.get(Slot.KV_CACHE, "contiguous") is ContiguousKVCache
     assert [r["status"] for r in reg.table() if r["name"] == "contiguous"] == ["loaded"]

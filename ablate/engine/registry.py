@@ -16,7 +16,7 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import cache
-from importlib.metadata import Distribution, EntryPoint, entry_points
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
 from ablate.api.plugin import Plugin, PluginConfig, Slot
@@ -38,7 +38,6 @@ class PluginInfo:
     name: str = "?"
     cls: type[Plugin] | None = None
     version: str | None = None           # the distribution's version
-    dist: Distribution | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -132,7 +131,7 @@ class Registry:
 
 def _load(ep: EntryPoint) -> PluginInfo:
     source, version = _distribution_of(ep)
-    info = PluginInfo(ep.name, ep.value, source, "loaded", *_declared(ep.name), version=version, dist=ep.dist)
+    info = PluginInfo(ep.name, ep.value, source, "loaded", *_declared(ep.name), version=version)
     try:
         cls = ep.load()
     except KeyboardInterrupt:
@@ -251,22 +250,24 @@ def discover(blocked: tuple[str, ...] = ()) -> Registry:
     env_blocked = _env_blocked()
     blocked_names = {_canonical_entry(b) for b in blocked} | env_blocked
     infos: list[PluginInfo] = []
-    targets: set[tuple[str, str, str]] = set()
+    classes: set[type] = set()
+    failures: set[tuple[str, str]] = set()
     for ep in sorted(entry_points(group=GROUP), key=lambda e: (e.name, e.value)):
         source, version = _distribution_of(ep)
-        declared = PluginInfo(ep.name, ep.value, source, "blocked", *_declared(ep.name), version=version, dist=ep.dist)
         if {ep.name, f"{_canonical(source)}:{ep.name}"} & blocked_names:   # never imported
-            infos.append(declared)
+            infos.append(PluginInfo(ep.name, ep.value, source, "blocked", *_declared(ep.name), version=version))
             continue
         info = _load(ep)
+        if info.cls in classes or (info.target, info.status) in failures:
+            continue   # one plugin declared twice (an editable install beside a regular one): not a rival
+        if info.cls is not None:
+            classes.add(info.cls)
         if info.status == "loaded" and _block_names(info) & blocked_names:
             info.status = "blocked"
-        elif info.status == "loaded" and (info.slot, info.name, info.target) in targets:
-            continue   # the same plugin seen twice (e.g. an editable install and a regular one)
         elif info.status.startswith("error"):
+            failures.add((info.target, info.status))
             warnings.warn(f"ablate: plugin {ep.name!r} ({ep.value}, from {source} {version or '?'}) could not be "
                           f"loaded and is skipped: {info.status.removeprefix('error: ')}", stacklevel=2)
-        targets.add((info.slot, info.name, info.target))
         infos.append(info)
     _mark_ambiguous(infos)
     names = set().union(*(_block_names(i) for i in infos))

@@ -450,7 +450,8 @@ def test_installed_third_party_plugin_is_listed_and_runs(plugin_site, tmp_path):
     assert "ablate_recording_kv" not in sys.modules      # this process never imported it
     listing = run_cli(plugin_site, tmp_path, "plugins")
     assert listing.returncode == 0, listing.stderr
-    rows = [line.rstrip().split(None, 4) for line in listing.stdout.split("\n\n")[0].splitlines()[1:]]   # then the engines
+    lines = listing.stdout.split("\n\n")[0].splitlines()[1:]           # then the engines
+    rows = [line.rstrip().split(None, 4) for line in lines]
     by_name = {(r[0], r[1]): r for r in rows}
     assert by_name[("kv_cache", "recording")][2:] == ["ablate-recording-kv", "0.0.1", "loaded"]
     broken = by_name[("attention", "broken")]
@@ -527,7 +528,8 @@ def test_cli_refuses_an_ambiguous_plugin_until_one_is_blocked(tmp_path):
     (line,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert line == ("error: kv_cache=contiguous is ambiguous: supplied by ablate-kv-cache 0.1.0 "
                     "(ablate_kv_cache.contiguous:ContiguousKVCache) and other-kv 1.5 "
-                    "(ablate_other_kv:OtherContiguous); keep one by blocking the others, e.g. ABLATE_BLOCK_PLUGINS=other-kv:kv_cache.contiguous keeps "
+                    "(ablate_other_kv:OtherContiguous); keep one by blocking the others, e.g. "
+                    "ABLATE_BLOCK_PLUGINS=other-kv:kv_cache.contiguous keeps "
                     "ablate-kv-cache's, or uninstall one")
     assert not results.exists()
     # an arm that does not choose it runs as usual

@@ -108,13 +108,18 @@ def _main() -> None:
         repro(sys.argv[2:])
         return
     import hydra
+    from omegaconf.errors import OmegaConfBaseException
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from ablate.cli_overrides import interpolation_error, multirun_first, override_problem
     from ablate.experiment.job import run_job
     from ablate.experiment.sweep_callbacks import FAILED_JOBS, write_job_status
     from ablate.report.console import job_prefix
 
+    sys.argv[1:] = multirun_first(sys.argv[1:])
+    if not _debugging() and (message := override_problem(sys.argv[1:])) is not None:
+        _fail(f"error: {message}", 2)     # before Hydra's lexer or its "ambiguous value" block
     registry = default_registry()
     register_configs(registry)
     if not _debugging() and (message := unknown_option(registry, sys.argv[1:])) is not None:
@@ -123,7 +128,11 @@ def _main() -> None:
 
     @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
     def job(cfg: DictConfig) -> None:
-        raw = OmegaConf.to_container(cfg, resolve=True)
+        try:
+            raw = OmegaConf.to_container(cfg, resolve=True)
+        except OmegaConfBaseException as err:     # ${oops}: an interpolation naming no option
+            failure.append(ValueError(interpolation_error(err)))
+            return
         sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
         job_dir = HydraConfig.get().runtime.output_dir
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
+import typing
 
 import pandas as pd
 import pytest
@@ -17,6 +19,7 @@ from ablate.checkpoints.hf import CheckpointError, hf_model_fields
 from ablate.engine.engine import MAX_IDLE_WAIT_S
 from ablate.engine.runner import NonFiniteLogits
 from ablate.experiment.config import to_run_config
+from ablate.experiment.quality_guard import QualityConfig
 from ablate.model.config import ModelConfig, preset
 from ablate.model.llama import LlamaModel
 from ablate.report.compare import RunUnreadable, compare
@@ -280,3 +283,107 @@ def test_finite_helpers_accept_numpy_numbers():
     cfg = WorkloadConfig(num_requests=np.int64(3), rate=np.float64(2.0), seed=np.int64(1))
     assert cfg.num_requests == 3 and math.isclose(cfg.rate, 2.0)
     assert EngineConfig(max_num_seqs=np.int64(2)).max_num_seqs == 2
+
+
+# -- 6. a value of the wrong kind names its option (issue 26) -------------------------------------------
+
+def bool_options(registry) -> list[str]:
+    """Every bool option of the typed config, the plugins' included (found, not listed by hand)."""
+    from ablate.experiment.config import SECTIONS, TOP_LEVEL, RunConfig
+    hints = typing.get_type_hints(RunConfig)
+    options = [k for k in TOP_LEVEL if hints[k] is bool]
+    for section in SECTIONS:
+        cls = next(a for a in typing.get_args(hints[section]) or (hints[section],) if a is not type(None))
+        options += [f"{section}.{name}" for name, kind in typing.get_type_hints(cls).items() if kind is bool]
+    options += [f"experiment.quality.{name}" for name, kind in typing.get_type_hints(QualityConfig).items()
+                if kind is bool]
+    for (slot, name), cls in registry.plugins.items():
+        options += [f"{slot.value}={name} {slot.value}.{field}"
+                    for field, kind in typing.get_type_hints(cls.config_class).items() if kind is bool]
+    return options
+
+
+def test_every_bool_option_refuses_a_value_that_is_not_true_or_false(tmp_path, compose_config, registry):
+    options = bool_options(registry)
+    assert {"redo", "experiment.recorder", "experiment.quality.enabled", "engine.graphs"} <= set(options)
+    for option in options:
+        *choice, key = option.split()
+        raw = compose_config(tmp_path, "model=tiny", *choice)
+        if key.split(".")[0] in ("costs", "book"):
+            raw[key.split(".")[0]] = {}
+        _set(raw, key, "no")          # as YAML leaves it (a typed node of a plugin's config converts `no` itself)
+        with pytest.raises(ValueError, match=rf"^{re.escape(key)} must be true or false.*got 'no'$"):
+            to_run_config(raw, registry)
+
+
+def _set(raw: dict, key: str, value) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        raw = raw.setdefault(part, {})
+    raw[last] = value
+
+
+def test_an_ablation_bool_is_a_bool(tmp_path, compose_config, registry):
+    raw = compose_config(tmp_path, "model=tiny")
+    raw["experiment"]["ablation"] = {"techniques": {"cache": {"overrides": {"kv_cache": "contiguous"}}}, "pairs": "no"}
+    with pytest.raises(ValueError, match=r"^experiment.ablation.pairs must be true or false"):
+        to_run_config(raw, registry)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("threads=abc", "threads must be a whole number (default 0), got 'abc'"),
+    ("threads=true", "threads must be a whole number (default 0), got true"),
+    ("peak_bandwidth=abc", "peak_bandwidth must be a number (default 0.0), got 'abc'"),
+    ("peak_flops=true", "peak_flops must be a number (default 0.0), got true"),
+    ("experiment.repeats=3.7", "experiment.repeats must be a whole number (default 5), got 3.7"),
+    ("experiment.warmup=abc", "experiment.warmup must be a whole number (default 1), got 'abc'"),
+    ("experiment.ci_target=abc", "experiment.ci_target must be a number (default 0.05), got 'abc'"),
+    ("results_dir=null", "results_dir must be a string (default 'results'), got null"),
+    ("device=null", "device must be a string (default 'auto'), got null"),
+    ("wandb.init_timeout=abc", "wandb.init_timeout must be a number (default 30.0), got 'abc'"),
+    ("engine.max_num_seqs=true", "engine.max_num_seqs must be a whole number"),
+])
+def test_a_value_of_the_wrong_kind_names_its_option(tmp_path, compose_config, registry, override, message):
+    raw = compose_config(tmp_path, "model=tiny", override)
+    with pytest.raises(ValueError) as err:
+        to_run_config(raw, registry)
+    assert message in str(err.value)
+
+
+def test_a_str_option_takes_a_number(tmp_path, compose_config, registry):
+    """`book section=7.3` arrives as a float: a str field takes numbers, only null is refused."""
+    raw = compose_config(tmp_path, "model=tiny", "experiment.chapter=8")
+    assert to_run_config(raw, registry).experiment.chapter == 8
+
+
+@pytest.mark.parametrize("grid", ["[4,4]", "[4,8,4.0]", "[a,b,a]"])
+def test_a_grid_value_given_twice_is_refused(tmp_path, compose_config, registry, grid):
+    raw = compose_config(tmp_path, "model=tiny", f"+experiment.grid.output_len={grid}")
+    with pytest.raises(ValueError, match=r"experiment.grid.output_len lists .* more than once"):
+        to_run_config(raw, registry)
+
+
+@pytest.mark.parametrize("overrides, limit", [
+    (["workload.num_requests=10000000"], None),
+    (["workload.num_requests=100000", "workload.prompt_len=1000"], None),
+    (["+experiment.grid.num_requests=[2,10000000]"], None),
+    (["workload.num_requests=1000"], "1000"),
+])
+def test_a_workload_too_large_to_be_meant_is_refused_naming_the_limit(tmp_path, compose_config, registry,
+                                                                      monkeypatch, overrides, limit):
+    if limit:
+        monkeypatch.setenv("ABLATE_MAX_RUN_TOKENS", limit)
+    raw = compose_config(tmp_path, "model=tiny", *overrides)
+    with pytest.raises(ValueError, match=r"workload.num_requests=.* tokens per arm's run, above the limit of "
+                                         r".*ABLATE_MAX_RUN_TOKENS"):
+        to_run_config(raw, registry)
+    monkeypatch.setenv("ABLATE_MAX_RUN_TOKENS", "1e12")             # a large run that is meant: allowed
+    assert to_run_config(raw, registry)
+
+
+@pytest.mark.parametrize("overrides", [["engine.max_seq_len=4"], ["engine.max_seq_len=32", "workload.prompt_len=32"],
+                                       ["engine.max_seq_len=40", "+experiment.grid.prompt_len=[8,64]"]])
+def test_an_engine_max_seq_len_below_the_prompt_is_refused_naming_it(tmp_path, compose_config, registry, overrides):
+    raw = compose_config(tmp_path, "model=tiny", "workload.prompt_len=8", *overrides)
+    with pytest.raises(ValueError, match=r"^engine.max_seq_len=\d+ cannot hold the longest prompt"):
+        to_run_config(raw, registry)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -47,3 +49,46 @@ def test_an_unknown_plugin_option_lists_the_plugins_options(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "error: kv_cache=paged has no option blok_size; its options are: block_size, budget_bytes, "
         "budget_fraction, budget_tokens, prefix_caching"]
+
+
+# -- overrides Hydra would misread (issue 26): one line, exit 2, before Hydra runs ------------------------
+
+@pytest.mark.parametrize("argv, says", [
+    (["model=tiny,nonesuch"], "model=tiny,nonesuch: a comma outside brackets sweeps over values, which needs -m"),
+    (["kv_cache=none,contiguous"], "needs -m"),
+    (["experiment.name=café"], "experiment.name=café: non-ASCII characters must be quoted"),
+    (["+experiment.grid.prompt=[naïve]"], "non-ASCII characters must be quoted"),
+    (["-m", "experiment.name=ü,a"], "non-ASCII characters must be quoted"),
+])
+def test_an_override_hydra_would_misread_is_named_with_how_to_write_it(argv, says):
+    from ablate.cli_overrides import override_problem
+    assert says in override_problem(argv)
+
+
+@pytest.mark.parametrize("argv", [
+    ["-m", "model=tiny,smollm2-135m"], ["+experiment.grid.output_len=[4,8]"], ["experiment.name='a,b'"],
+    ["experiment.name='café'"], ['+experiment.arms.x={kv_cache: contiguous, attention: sdpa}'],
+    ["-m", "workload.prompt_len=range(8,33,8)"], ["hydra.sweeper.params={a: 1}"],
+])
+def test_overrides_hydra_reads_pass(argv):
+    from ablate.cli_overrides import override_problem
+    assert override_problem(argv) is None
+
+
+def test_multirun_is_accepted_after_the_overrides():
+    from ablate.cli_overrides import multirun_first
+    assert multirun_first(["model=tiny", "-m", "kv_cache=a,b"]) == ["-m", "model=tiny", "kv_cache=a,b"]
+    assert multirun_first(["model=tiny", "--multirun"]) == ["--multirun", "model=tiny"]
+    assert multirun_first(["model=tiny"]) == ["model=tiny"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["model=tiny,nonesuch"], "needs -m"),
+    (["experiment.name=café"], "must be quoted"),
+    (["experiment.name=${oops}"], "experiment.name: Interpolation key 'oops' not found"),
+])
+def test_they_are_one_line_and_exit_status_2(tmp_path, args, says):
+    result = ablate(tmp_path, *args)
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and says in line

@@ -279,3 +279,21 @@ def test_a_figure_has_a_line_per_arm_and_other_key_and_its_legend_beside_the_dat
     shown = key_table(table, swept, key)
     assert len(shown) == len(table) and shown.iloc[0]["speedup over the baseline [95% CI]"] == "1.00x [0.90, 1.10]"
     assert key_figure(table[table[key] == values[0]], swept, key) is None     # one value: no figure
+
+
+@pytest.mark.parametrize("content, says", [
+    ("[1, 2]", "its config.json is not a JSON object (it holds a list)"),
+    ('"text"', "its config.json is not a JSON object (it holds a str)"),
+    ("42", "its config.json is not a JSON object (it holds a int)"),
+    ('{"model": ', "config.json: unreadable (JSONDecodeError"),
+])
+def test_run_folders_whose_config_is_unreadable_are_named_not_called_no_run(tmp_path, capsys, content, says):
+    run = tmp_path / "exp" / "0123abcd"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(content)
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as exit_:
+        warnings.simplefilter("ignore")
+        main([str(tmp_path / "exp")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "holds no readable run" in err and says in err and "holds no run folder" not in err

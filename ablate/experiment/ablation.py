@@ -34,6 +34,7 @@ import pandas as pd
 from ablate.api.plugin import PluginConfig, Slot
 from ablate.engine.arm import BASELINE, ENGINE_KEY, MODEL_KEY, Arm, ArmSpec, IncompatiblePlugins, resolve_arm
 from ablate.engine.registry import Registry
+from ablate.experiment.field_types import check_field_types
 
 BASELINE_ARM = "baseline"
 FULL_ARM = "full"
@@ -119,6 +120,7 @@ def parse_ablation(raw: dict[str, Any]) -> AblationConfig:
             raise ValueError(f"{where}.requires names {', '.join(missing) or name}: a technique requires other "
                              f"declared techniques ({', '.join(declared)})")
         techniques.append(Technique(name, overrides, tuple(requires)))
+    check_field_types(AblationConfig, raw, "experiment.ablation.")     # pairs=no would be true
     return AblationConfig(_requirements_first(techniques), **raw)
 
 

@@ -20,6 +20,8 @@ from ablate.api.plugin import PluginConfig, Slot
 from ablate.engine.arm import ArmSpec
 from ablate.engine.registry import Registry
 from ablate.experiment.ablation import AblationConfig, parse_ablation
+from ablate.experiment.field_types import check_field_types
+from ablate.experiment.job_size import check_prompt_fits, check_run_size
 from ablate.experiment.quality_guard import QualityConfig
 from ablate.model.config import ModelConfig
 from ablate.report.wandb_log import WandbConfig
@@ -93,6 +95,10 @@ class ExperimentConfig:
                                  f"{', '.join(WorkloadConfig.__dataclass_fields__)}")
             if not isinstance(values, (list, tuple)) or not values:
                 raise ValueError(f"experiment.grid.{key} must be a non-empty list of values")
+            repeated = [v for i, v in enumerate(values) if v in values[:i]]
+            if repeated:      # one point measured twice would be pooled into one row with twice the rounds
+                raise ValueError(f"experiment.grid.{key} lists {', '.join(map(str, repeated))} more than once "
+                                 f"({values}): each value is one grid point; give each once")
         if self.ablation is not None:
             if self.arms:
                 raise ValueError("experiment.arms and experiment.ablation are both set: an ablation makes its own arms")
@@ -128,6 +134,9 @@ class RunConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a number >= 0 (0: measured on this machine), got {value}")
+        if self.experiment.kind == "engine":
+            check_run_size(self.workload, self.experiment.grid)
+            check_prompt_fits(self.workload, self.experiment.grid, self.engine.max_seq_len)
 
 
 def build(cls: type, values: dict[str, Any] | None, where: str):
@@ -137,10 +146,14 @@ def build(cls: type, values: dict[str, Any] | None, where: str):
     unknown = sorted(set(values) - set(valid))
     if unknown:
         raise ValueError(f"{where} has no field {', '.join(unknown)}; valid fields: {', '.join(valid)}")
+    prefix = "" if where == "config" else f"{where}."       # the top level's options are bare: threads=4
     try:
-        return cls(**values)
-    except TypeError as err:
+        built = cls(**values)
+    except TypeError as err:            # e.g. `threads=abc` compared with 0: name the option instead
+        check_field_types(cls, values, prefix)
         raise ValueError(f"{where}: {err}") from err
+    check_field_types(cls, values, prefix)     # built, yet of the wrong kind: `redo=no` would be true
+    return built
 
 
 SECTIONS = ("model", "experiment", "workload", "engine", "wandb", "costs", "book")
@@ -159,6 +172,7 @@ def to_run_config(raw: dict[str, Any], registry: Registry) -> RunConfig:
         node = dict(raw.get(slot.value) or {})
         if "name" not in node:
             raise ValueError(f"no plugin chosen for slot {slot.value}; choose one of {registry.choices(slot)}")
+        check_field_types(registry.get(slot, node["name"]).config_class, node, f"{slot.value}.")
         plugins[slot] = registry.config(slot, node["name"], node)
     return build(RunConfig, {
         "plugins": plugins,

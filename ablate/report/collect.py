@@ -143,8 +143,10 @@ def _cell(value: Any) -> Any:
 
 def read_job(path: Path, problems: list[str]) -> Job | None:
     raw = _read_json(path / "config.json", problems)
-    if not isinstance(raw, dict):
-        problems.append(f"{path}: its config.json is not a config, the job is left out")
+    if not isinstance(raw, dict):       # None: unreadable, said by _read_json
+        if raw is not None:
+            problems.append(f"{path}: its config.json is not a JSON object (it holds a {type(raw).__name__}), "
+                            "the job is left out")
         return None
     status, error = "running", None
     if (path / DONE).exists():
@@ -202,6 +204,9 @@ def collect(root: str | os.PathLike, out: str | os.PathLike | None = None, *, wr
     jobs = [job for path in job_folders(root, problems) if (job := read_job(path, problems))]
     for problem in problems:
         warnings.warn(problem, stacklevel=2)
+    unreadable = [p for p in problems if "its config.json" in p or "config.json: unreadable" in p]
+    if not jobs and unreadable:         # run folders there, none readable: say why, not that there are none
+        raise NotASweep(f"{root} holds no readable run: {'; '.join(unreadable)}")
     if not jobs:
         raise NotASweep(f"{root} holds no run folder (a folder with config.json, written by python -m ablate): "
                         "give results/<experiment> (or results/)")

@@ -6,6 +6,8 @@ ablate's own engine, interleaved with its arms round by round and measured the s
     batches.py    the driver for engines that serve one batch at a time (arrivals, batch limits)
     registry.py   discovery through the `ablate.engines` entry points; a missing one is a skip
     arm_run.py    one outside arm measured once, as ablate.experiment.arm_run measures its own
+    serving.py    one serving timed where the engine runs (its timeline, wall time, memory)
+    worker.py     the worker process an engine runs in, so that its crash fails its arm only
     hf.py         transformers' generate (dynamic / static cache, prompt lookup)
     llamacpp.py   llama-cpp-python on the GGUF (as shipped, or rewritten in F32 / F16)
 """

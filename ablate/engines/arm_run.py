@@ -4,20 +4,16 @@
 tokens with the baseline's like any arm's."""
 from __future__ import annotations
 
-import contextlib
 import math
-import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
-
 from ablate.api.sequence import Request, Sequence
 from ablate.engine.arm import Arm
-from ablate.engines.contract import OutsideEngine, OutsideEngineError
-from ablate.engines.timeline import Timeline
+from ablate.engines.contract import OutsideEngineError
+from ablate.engines.serving import InProcess
+from ablate.engines.worker import EngineWorker
 from ablate.experiment.arm_run import ArmRun
-from ablate.measure import device as dev
-from ablate.measure.memory import TensorMemoryTracker
 from ablate.measure.metrics import request_table, summarise
 from ablate.model.llama import LlamaModel
 
@@ -35,50 +31,44 @@ def finished_sequence(request: Request, output: list[int]) -> Sequence:
 
 class OutsideRuns:
     """The outside engines of one experiment: each built once, on its first run (loading weights into
-    another engine takes seconds, which no round should pay), and closed at the experiment's end."""
+    another engine takes seconds, which no round should pay), in a worker process of its own unless it
+    is only a client of one (OutsideEngine.in_worker), and closed at the experiment's end."""
 
     def __init__(self, max_batch: int) -> None:
         self.max_batch = max_batch
-        self.engines: dict[str, OutsideEngine] = {}
+        self.engines: dict[str, EngineWorker | InProcess] = {}
 
-    def engine(self, arm: Arm, model: LlamaModel) -> OutsideEngine:
+    def engine(self, arm: Arm, model: LlamaModel) -> EngineWorker | InProcess:
         if arm.name not in self.engines:
             cls, options = arm.outside
             try:
-                self.engines[arm.name] = cls(options, model, self.max_batch)
+                self.engines[arm.name] = (EngineWorker(cls, options, model, self.max_batch) if cls.in_worker
+                                          else InProcess(cls(options, model, self.max_batch)))
+            except OutsideEngineError:            # its worker died: the reason says how
+                raise
             except (ValueError, RuntimeError, OSError) as err:    # cannot run this model here: the arm fails, not the job
                 raise OutsideEngineError(f"engine={cls.name} could not start: {err}") from err
         return self.engines[arm.name]
 
     def run(self, arm: Arm, model: LlamaModel, requests: Seq[Request], track_memory: bool) -> ArmRun:
-        engine = self.engine(arm, model)
-        timeline = Timeline()
-        tracker = TensorMemoryTracker() if track_memory else contextlib.nullcontext()
-        start = time.perf_counter()
-        try:
-            with tracker:
-                outputs = engine.serve(requests, timeline)
-        except OutsideEngineError:
-            raise
-        except Exception as err:           # another program's failure: recorded against its arm, the rest measured
-            raise OutsideEngineError(f"engine={engine.name} failed while serving: {type(err).__name__}: {err}") from err
-        wall = time.perf_counter() - start
-        missing = sorted({r.request_id for r in requests} - set(outputs)) or timeline.unfinished()
+        name = arm.outside[0].name
+        served = self.engine(arm, model).serve(requests, track_memory)
+        timeline = served.timeline
+        missing = sorted({r.request_id for r in requests} - set(served.outputs)) or timeline.unfinished()
         if missing:
-            raise OutsideEngineError(f"engine={engine.name} did not finish requests {missing}")
-        seqs = [finished_sequence(r, outputs[r.request_id]) for r in requests]
-        row: dict[str, Any] = {"wall_s": wall, "kernel_compiles": 0, **summarise(timeline)}
-        row["weight_bytes"] = engine.weight_bytes()
-        own = engine.memory_bytes()       # its own figure, else unknown: weights alone are no peak
-        row["peak_memory_bytes"] = own if own is not None else math.nan
-        if isinstance(tracker, TensorMemoryTracker):
-            row["tracked_peak_bytes"] = tracker.peak_bytes
-            row["peak_memory_bytes"] = row["weight_bytes"] + tracker.peak_bytes
-        described = engine.describe()
-        row["dtype"] = described.get("precision", model.config.dtype)
-        row["rss_bytes"] = dev.process_rss_bytes()
-        row["attention_backend"] = f"engine={engine.name}"
-        row |= {f"engine.{k}": v for k, v in described.items()}
+            raise OutsideEngineError(f"engine={name} did not finish requests {missing}")
+        seqs = [finished_sequence(r, served.outputs[r.request_id]) for r in requests]
+        row: dict[str, Any] = {"wall_s": served.wall_s, "kernel_compiles": 0, **summarise(timeline)}
+        row["weight_bytes"] = served.weight_bytes
+        # its own figure, else unknown: weights alone are no peak
+        row["peak_memory_bytes"] = served.memory_bytes if served.memory_bytes is not None else math.nan
+        if served.tracked_peak_bytes is not None:
+            row["tracked_peak_bytes"] = served.tracked_peak_bytes
+            row["peak_memory_bytes"] = row["weight_bytes"] + served.tracked_peak_bytes
+        row["dtype"] = served.described.get("precision", model.config.dtype)
+        row["rss_bytes"] = served.rss_bytes
+        row["attention_backend"] = f"engine={name}"
+        row |= {f"engine.{k}": v for k, v in served.described.items()}
         return ArmRun(row | {"status": "ok", "status_detail": ""}, request_table(timeline), seqs)
 
     def close(self) -> None:

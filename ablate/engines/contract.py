@@ -45,6 +45,9 @@ class OutsideEngine(ABC):
     requires: ClassVar[tuple[str, ...]] = ()     # modules it imports: one missing means the arm is skipped
     extra: ClassVar[str] = ""                    # the pip extra that installs them: pip install -e ".[extra]"
     options: ClassVar[dict[str, Option]] = {}
+    # served from a worker process of its own (ablate.engines.worker), so that a crash of its native
+    # code fails its arm only; False for an engine that is only a client of a process apart (a server)
+    in_worker: ClassVar[bool] = True
 
     def __init__(self, options: dict[str, Any], model: LlamaModel, max_batch: int) -> None:
         """`options` resolved by resolve_options; `model` the experiment's (ablate's) model;

@@ -47,6 +47,7 @@ def stream_completion(url: str, body: dict[str, Any], timeout_s: float):
 
 class OpenAICompatible(OutsideEngine):
     name = "openai"
+    in_worker = False       # a client of a server, which runs (or crashes) in a process of its own
     options = {
         "url": Option("", "the server's base URL, e.g. http://127.0.0.1:8000/v1"),
         "model": Option("", "the model name the server serves; '': the first one /models lists"),

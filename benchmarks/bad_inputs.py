@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/bad_inputs.py [--all] [--only SUBSTRING] [--jobs 2] [--out rows.json] [--work-dir DIR]
 
-The default set (94 cases, ~4 min on 2 cores: each CLI case pays 4-8 s of imports) covers every option
-and fault once; --all adds more bad values of the same options (136 cases, ~5-6 min).
+The default set (123 cases, ~8 min on 2 cores: each CLI case pays 4-8 s of imports) covers every option
+and fault once, issue 26's included (cases named 26.N, and their options' values); --all adds more bad
+values of the same options and more controls (184 cases, ~11 min).
 
 Each case (CASES, at the end: a name, the command, what its error must name, a timeout) runs as a
 subprocess in its own process group and is classified:
@@ -179,7 +180,7 @@ def run_case(case: Case, work: Path, fixtures: Fixtures) -> list[Row]:
         if case.fault is not None:
             rows = case.fault(case, work, fixtures)
         else:
-            done = run(fixtures.expand(case.argv, work), work, case.timeout, case.env)
+            done = run(fixtures.expand(case.argv, work), work, case.timeout, fixtures.expand_env(case.env, work))
             outcome, message = classify(done, case, work)
             rows = [Row(case.name, outcome, "-", message, output=done.text[-4000:])]
     except NotTested as why:
@@ -315,6 +316,82 @@ def full_tmpfs(case: Case, work: Path, fixtures: Fixtures) -> list[Row]:
     return rows + [rerun_row("re-run after the full tmpfs", case, rerun, work, before)]
 
 
+def reuse_after_change(setup: Callable[[Path, Fixtures], None], change: Callable[[Path], None] | None,
+                       kill: bool = False):
+    """Run (killed by SIGKILL after a round when `kill`), change what it measured (`change`; None: the
+    control, nothing), run again: a change must not be reused (neither skipped as finished nor
+    continued) and the re-run must say what changed; the control must be reused."""
+    def fault(case: Case, work: Path, fixtures: Fixtures) -> list[Row]:
+        setup(work, fixtures)
+        argv, env = fixtures.expand(case.argv, work), fixtures.expand_env(case.env, work)
+        if kill:
+            proc = start(argv, work, env)
+            before = wait_for_round(proc, work / "results", case.timeout)
+            os.killpg(proc.pid, signal.SIGKILL)
+            finish(proc, 30)
+        else:
+            first = run(argv, work, case.timeout, env)
+            if first.rc != 0:
+                raise NotTested(f"the first run failed (exit {first.rc}): {first_line(first)}")
+        before = rounds(work / "results")
+        if change is not None:
+            change(work)
+        done = run(argv, work, case.timeout, env)
+        reused = re.search(r"already finished, skipped|continuing an unfinished run", done.out)
+        if done.timed_out or done.rc != 0:
+            outcome, message = classify(done, Case(case.name, [], timeout=case.timeout, want="ok"), work)
+        elif change is None:
+            outcome, message = ("ok", reused.group(0)) if reused else ("silent", "an unchanged run was measured again")
+        elif reused:
+            outcome, message = "silent", f"reused after the change: {reused.group(0)}"
+        elif "not reused" not in done.out:
+            outcome, message = "silent", "measured afresh without saying why the earlier rounds were not reused"
+        else:
+            outcome, message = "ok", next(x for x in done.out.splitlines() if "not reused" in x).strip()
+        return [Row(case.name, outcome, lost(before, rounds(work / "results")), message, output=done.text[-4000:])]
+    return fault
+
+
+def copy_checkpoint(work: Path, fixtures: Fixtures) -> None:
+    shutil.copytree(fixtures.get("hf"), work / "ckpt")
+
+
+def replace_checkpoint(work: Path) -> None:
+    """Other weights at the same path, same size (a fine-tuned copy put in place)."""
+    scaled_weight(work / "ckpt")
+
+
+def copy_site(work: Path, fixtures: Fixtures) -> None:
+    shutil.copytree(fixtures.get("third_party"), work / "site")
+
+
+def edit_plugin(work: Path) -> None:
+    source = work / "site" / "fake_third_party" / "__init__.py"
+    source.write_text(source.read_text() + "# edited: a fix to its cache\n")
+
+
+def job_failed_alone(done: Done, work: Path) -> str | None:
+    """A sweep where one job dies: the other job finished, and the dead one is listed as failed."""
+    if not list((work / "results").glob("*/*/done.json")):
+        return "no other job of the sweep finished"
+    return None if re.search(r"did not finish|failed", done.text) else "the dead job is not reported as failed"
+
+
+def other_arm_measured(done: Done, work: Path) -> str | None:
+    """The crashing arm failed alone: the other arm has rounds in runs.csv."""
+    for file in (work / "results").glob("*/*/runs.csv"):
+        with file.open() as f:
+            if any(r.get("arm") == "base" for r in csv.DictReader(f)):
+                return None if "FAILED" in done.out or done.rc else "the crashed arm's failure is not reported"
+    return "the other arm was not measured"
+
+
+def names_the_package(package: str):
+    def check(done: Done, work: Path) -> str | None:
+        return None if package in done.text else f"nothing names {package}"
+    return check
+
+
 # -- fixtures: built once, on first use ({name} in a case's argv) ---------------------------------------
 
 class Fixtures:
@@ -335,6 +412,10 @@ class Fixtures:
     def expand(self, words: list[str], work: Path) -> list[str]:
         lazy = type("Lazy", (dict,), {"__missing__": lambda _, key: self.get(key)})(w=str(work))
         return [sys.executable, *(word.format_map(lazy) for word in words)]
+
+    def expand_env(self, env: dict[str, str], work: Path) -> dict[str, str]:
+        """A case's environment with its {fixture} names expanded, as in its argv."""
+        return {k: v for k, v in zip(env, self.expand(list(env.values()), work)[1:])}
 
     def cleanup(self) -> None:
         if "results_ro" in self.built:
@@ -367,6 +448,13 @@ def nan_weight(path: Path) -> None:
     from safetensors.torch import load_file, save_file
     tensors = load_file(path / "model.safetensors")
     tensors["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def scaled_weight(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.weight"] *= 0.5
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 
@@ -438,6 +526,63 @@ def empty_dir(name: str):
     return make
 
 
+def fake_distribution(name: str, module: str, entry_points: str):
+    """A folder to put on PYTHONPATH holding one installed distribution `name` (its package `name`
+    with `module` as __init__.py, and a dist-info declaring `entry_points`), as pip would leave it."""
+    def make(root: Path, _) -> Path:
+        site = root / f"site_{name}"
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text(module)
+        info = site / f"{name}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text(entry_points)
+        (info / "RECORD").write_text(f"{name}/__init__.py,,\n")
+        return site
+    return make
+
+
+def cache_plugin(name: str, body: str = "") -> str:
+    """A KV cache plugin module: the contiguous cache renamed `name`, `body` run in its __init__."""
+    return (f"import os, signal, sys\nfrom dataclasses import dataclass\n"
+            f"from ablate_kv_cache.contiguous import ContiguousConfig, ContiguousKVCache\n\n"
+            f"@dataclass\nclass Config(ContiguousConfig):\n    name: str = {name!r}\n\n"
+            f"class Cache(ContiguousKVCache):\n    name = {name!r}\n    config_class = Config\n\n"
+            f"    def __init__(self, *args, **kwargs):\n        {body or 'pass'}\n"
+            f"        super().__init__(*args, **kwargs)\n")
+
+
+SEGV_ENGINE = """import os, signal
+from ablate.engines.contract import OutsideEngine
+
+
+class Crashes(OutsideEngine):
+    name = "segv"
+
+    def serve(self, requests, timeline):
+        os.kill(os.getpid(), signal.SIGSEGV)     # as a native engine crashing in its own code
+"""
+
+
+def native_cache(size: Callable[[int], int]):
+    """An ABLATE_CACHE_DIR holding this machine's cached native library cut to size(len) bytes."""
+    def make(root: Path, _) -> Path:
+        cache = root / f"native_cache_{len(list(root.glob('native_cache_*')))}"
+        cache.mkdir(parents=True)
+        found = sorted((Path.home() / ".cache" / "ablate").glob("native-*.so"))
+        if not found:
+            raise NotTested("no cached native library in ~/.cache/ablate to damage (run once to build it)")
+        for lib in found:
+            data = lib.read_bytes()
+            (cache / lib.name).write_bytes(data[:size(len(data))])
+        return cache
+    return make
+
+
+def as_list_config(path: Path) -> None:
+    (path / "config.json").write_text("[1, 2, 3]")
+
+
 TRACE_OK = '{"arrival_time": 0.0, "prompt_len": 8, "output_len": 4}\n{"arrival_time": 0.01, "prompt_len": 8, "output_len": 4}\n'
 FIXTURES: dict[str, Callable[[Path, Fixtures], Path]] = {
     "hf": make_hf,
@@ -462,6 +607,18 @@ FIXTURES: dict[str, Callable[[Path, Fixtures], Path]] = {
     "failed_run": run_copy("failed_run", as_failed),
     "corrupt_run": run_copy("corrupt_run", corrupted),
     "truncated_summary": run_copy("truncated_summary", lambda p: truncate(p / "summary.csv", 0.4), give_root=True),
+    "list_config": run_copy("list_config", as_list_config, give_root=True),
+    "exits_at_import": fake_distribution("fake_exits_at_import", "import sys\nsys.exit(0)\n",
+                                         "[ablate.plugins]\nkv_cache.exits_at_import = fake_exits_at_import:Cache\n"),
+    "duplicate_name": fake_distribution("fake_duplicate", cache_plugin("contiguous"),
+                                        "[ablate.plugins]\nkv_cache.contiguous = fake_duplicate:Cache\n"),
+    "third_party": fake_distribution("fake_third_party", cache_plugin("third_party"),
+                                     "[ablate.plugins]\nkv_cache.third_party = fake_third_party:Cache\n"),
+    "sigkill_plugin": fake_distribution("fake_sigkill", cache_plugin("sigkill", "os.kill(os.getpid(), signal.SIGKILL)"),
+                                        "[ablate.plugins]\nkv_cache.sigkill = fake_sigkill:Cache\n"),
+    "segv_engine": fake_distribution("fake_segv", SEGV_ENGINE, "[ablate.engines]\nsegv = fake_segv:Crashes\n"),
+    "native_empty": native_cache(lambda n: 0),
+    "native_truncated": native_cache(lambda n: n // 2),
 }
 
 
@@ -527,9 +684,16 @@ def summary_fails() -> None:
 def pinned() -> None:
     """One code_version for every run of a fault case: other people editing this working tree between
     a fault and its re-run would otherwise set the kept rounds aside as "measured by other code"."""
+    import ablate.experiment.identity
     import ablate.experiment.job
     import ablate.results
     ablate.results.code_version = ablate.experiment.job.code_version = lambda: "bad-inputs-battery"
+    repo, real = Path(ablate.results.__file__).resolve().parents[1], ablate.experiment.identity.files_digest
+
+    def files_digest(files) -> str:     # the repository's plugin packages, which others may edit, pinned too
+        inside = all(Path(f).resolve().is_relative_to(repo) for f in files)
+        return "bad-inputs-battery" if files and inside else real(files)
+    ablate.experiment.identity.files_digest = files_digest
 
 
 PATCHES = {"plugins": with_bad_plugins, "disk_full_after_4": disk_full_after(4), "disk_full_after_0": disk_full_after(0),
@@ -778,6 +942,87 @@ CASES: list[Case] = [
       for name, (_, expect) in BLOCK_MANAGER.items()],
     Case("block manager: stale prefix cache after truncate+rewrite", [THIS, "--internal", "stale prefix cache"],
          want="ok", timeout=30),
+    # -- issue 26 ------------------------------------------------------------------------------------------
+    # 1. a result is reused only while what it measured is unchanged
+    patched("26.1 checkpoint replaced after a finished run", "pinned", "model.init=pretrained", "model.path={w}/ckpt", timeout=120,
+            fault=reuse_after_change(copy_checkpoint, replace_checkpoint)),
+    patched("26.1 checkpoint replaced after SIGKILL midway", "pinned", *SLOW, "model.init=pretrained", "model.path={w}/ckpt", timeout=180,
+            fault=reuse_after_change(copy_checkpoint, replace_checkpoint, kill=True)),
+    patched("26.1 third-party plugin source edited after a finished run", "pinned", "kv_cache=third_party",
+            env={"PYTHONPATH": "{w}/site"}, timeout=120, fault=reuse_after_change(copy_site, edit_plugin)),
+    patched("26.1 third-party plugin source edited after SIGKILL midway", "pinned", *SLOW, "kv_cache=third_party",
+            env={"PYTHONPATH": "{w}/site"}, timeout=180, fault=reuse_after_change(copy_site, edit_plugin, kill=True),
+            extra=True),
+    patched("26.1 nothing changed after a finished run (control)", "pinned", "model.init=pretrained", "model.path={w}/ckpt", timeout=120,
+            fault=reuse_after_change(copy_checkpoint, None)),
+    patched("26.1 nothing changed after SIGKILL midway (control)", "pinned", *SLOW, "kv_cache=third_party",
+            env={"PYTHONPATH": "{w}/site"}, timeout=180, fault=reuse_after_change(copy_site, None, kill=True),
+            extra=True),
+    # 2. booleans are booleans
+    num("redo", "no"), num("redo", "1", extra=True), num("experiment.recorder", "off", extra=True),
+    cli("kv_cache.prefix_caching=no kv_cache=paged (typed: read as false)", "kv_cache=paged",
+        "kv_cache.prefix_caching=no", want="either", expect="prefix_caching", extra=True),
+    # 3. a grid value given twice
+    cli("+experiment.grid.output_len=[4,4]", "+experiment.grid.output_len=[4,4]", expect="output_len", check=no_round),
+    cli("+experiment.grid.output_len=[4,8,4.0]", "+experiment.grid.output_len=[4,8,4.0]", expect="output_len",
+        extra=True),
+    # 4. a plugin package that calls sys.exit(0) when imported
+    tool("26.4 plugins: a package calls sys.exit(0) at import", "-m", "ablate", "plugins", want="ok",
+         env={"PYTHONPATH": "{exits_at_import}"}, check=names_the_package("exits_at_import"), timeout=60),
+    cli("26.4 a run with a package that calls sys.exit(0) at import", env={"PYTHONPATH": "{exits_at_import}"},
+        want="ok", check=names_the_package("exits_at_import")),
+    cli("26.4 kv_cache=exits_at_import (the package exits at import)", "kv_cache=exits_at_import",
+        env={"PYTHONPATH": "{exits_at_import}"}, expect="exits_at_import", extra=True),
+    # 5. two packages supplying one plugin name
+    cli("26.5 kv_cache=contiguous supplied by two packages", "kv_cache=contiguous",
+        env={"PYTHONPATH": "{duplicate_name}"}, expect="ambiguous"),
+    cli("26.5 a run not choosing the twice-supplied plugin (control)", env={"PYTHONPATH": "{duplicate_name}"},
+        want="ok", extra=True),
+    # 6. the cached native library emptied or truncated: rebuilt, or refused with a message
+    cli("26.6 cached native library emptied", "kv_cache=paged", "attention=paged",
+        env={"ABLATE_CACHE_DIR": "{native_empty}"}, want="ok", timeout=180),
+    cli("26.6 cached native library truncated", "kv_cache=paged", "attention=paged",
+        env={"ABLATE_CACHE_DIR": "{native_truncated}"}, want="ok", timeout=180),
+    # 7. a workload too large to be meant
+    num("workload.num_requests", "10000000", timeout=60),
+    cli("+experiment.grid.num_requests=[2,10000000]", "+experiment.grid.num_requests=[2,10000000]",
+        expect="num_requests", timeout=60, extra=True),
+    num("workload.num_requests", "100000", "workload.prompt_len=1000", timeout=60, extra=True),
+    # 8. values of the wrong kind name their option
+    num("threads", "abc"), num("threads", "true"), num("threads", "2.5", extra=True),
+    num("peak_bandwidth", "abc"), num("peak_flops", "true", extra=True),
+    num("experiment.repeats", "3.7", check=lambda d, w: "a run folder was made" if (w / "results").exists() else None),
+    num("experiment.warmup", "abc", extra=True),
+    num("results_dir", "null"), num("device", "null"), num("results_dir", "true", want="either", extra=True),
+    num("engine.max_seq_len", "4", check=no_round), num("engine.max_seq_len", "8", extra=True),
+    cli("results_dir=${oops}", "results_dir=${oops}", expect="oops"),
+    cli("experiment.name=${model.nonesuch}", "experiment.name=${model.nonesuch}", expect="nonesuch", extra=True),
+    cli("experiment.name=café (non-ASCII, unquoted)", "experiment.name=café", expect="quote"),
+    cli("experiment.name='café' (quoted: control)", "experiment.name='café'", want="ok", extra=True),
+    tool("collect: a run whose config.json is a list", "-m", "ablate", "collect", "{list_config}",
+         expect="not a JSON object"),
+    Case("sweep: -m after the overrides", ["-m", "ablate", *QUICK, "-m", "kv_cache=none,contiguous"], want="ok",
+         timeout=180, check=other_job_done),
+    cli("model=tiny,nonesuch (a sweep without -m)", "model=tiny,nonesuch", expect="-m"),
+    sweep("sweep: model=tiny,nonesuch", "model=tiny,nonesuch", expect="nonesuch", want="either", extra=True),
+    # 9. a sweep's job killed by a signal fails alone
+    sweep("26.9 sweep: a job SIGKILLed (basic launcher)", "kv_cache=sigkill,contiguous", want="either",
+          expect="sigkill", env={"PYTHONPATH": "{sigkill_plugin}"}, check=job_failed_alone, timeout=240),
+    sweep("26.9 sweep: a job SIGKILLed (joblib launcher)", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+          "kv_cache=sigkill,contiguous", want="either", expect="sigkill", env={"PYTHONPATH": "{sigkill_plugin}"},
+          check=job_failed_alone, timeout=240),
+    # 10. an outside engine crashing natively fails its arm only
+    cli("26.10 an outside engine segfaults (SIGSEGV in serve)", "+experiment.arms.base={}",
+        "+experiment.arms.crash.engine.name=segv", env={"PYTHONPATH": "{segv_engine}"}, want="either",
+        expect="segv", check=other_arm_measured, timeout=180),
+    # 11. the static scheduler within max_num_batched_tokens; a failed baseline is a failed run
+    cli("workload.prompt_len=513 workload.num_requests=8", "workload.prompt_len=513", "workload.num_requests=8",
+        "workload.output_len=2", "experiment.repeats=1", want="ok", timeout=240),
+    cli("workload.prompt_len=300 workload.num_requests=16 max_num_batched_tokens=1024", "workload.prompt_len=300",
+        "workload.num_requests=16", "engine.max_num_batched_tokens=1024", "workload.output_len=2",
+        "experiment.repeats=1", want="ok", timeout=240, extra=True),
+    patched("26.11 the baseline arm fails (raises in __init__)", "plugins",
+            "+experiment.arms.base.kv_cache=raises_in_init", "+experiment.arms.other={}", expect="raises_in_init"),
 ]
 
 

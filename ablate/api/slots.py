@@ -73,6 +73,10 @@ class Scheduler(Plugin):
     """
 
     slot = Slot.SCHEDULER
+    # True: when the cache cannot grow a running sequence, the scheduler preempts one (and resumes it
+    # later). The conformance kit then runs it out of cache room while sequences grow and requires
+    # preemptions and resumptions; a scheduler that cannot preempt is run out of room at admission only
+    preempts: ClassVar[bool] = False
 
     def __init__(self, config: PluginConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)

@@ -35,6 +35,7 @@ class ContinuousConfig(PluginConfig):
 class ContinuousScheduler(Scheduler):
     name = "continuous"
     config_class = ContinuousConfig
+    preempts = True      # _grow_or_preempt: the newest running sequence gives its room back
 
     def __init__(self, config: ContinuousConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)

@@ -11,6 +11,6 @@ def __getattr__(name: str):
         from ablate.testing.kit import check_plugin
         return check_plugin
     if name == "ConformanceError":
-        from ablate.testing.scenarios import ConformanceError
+        from ablate.testing.failures import ConformanceError
         return ConformanceError
     raise AttributeError(f"module 'ablate.testing' has no attribute {name!r}")

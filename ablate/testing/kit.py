@@ -7,22 +7,26 @@ What it checks, on the tiny model, in order (each module's docstring has the det
   declarations.py   the config round-trips through Hydra; requirements are enforced; stats and figures
                     are well formed; a plugin that is not exact declares a quality bound
   run_checks.py     whole engine runs under contention (scenarios.py: fewer slots and less KV memory
-                    than the workload needs, a preempting scheduler, speculative rollback), each twice on
-                    one built arm: the engine's contract checks, the cache's memory accounting, an exact
-                    plugin's greedy tokens against the baseline's, its stats as declared
+                    than the workload needs, a preempting scheduler, chunked prefill, speculative
+                    rollback, a cache whose view is its storage), each twice on one built arm: the
+                    engine's contract checks, the cache's memory accounting, an exact plugin's greedy
+                    tokens against the baseline's, its stats as declared, and that each scenario reached
+                    the states it exists for (coverage.py: admissions refused, preemptions, ...)
   runner_checks.py  teacher forcing: batch invariance (a sequence sees only its own K/V) and, for exact
                     plugins, logits equal to the baseline's at every position
   sampling.py       a decoding plugin samples from the target's exact distribution (a statistical test)
+                    at several temperatures and top_p, greedy requests beside sampled ones
   quality.py        a plugin that is not exact stays within its declared perplexity bound
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ablate.api.plugin import Slot
 from ablate.engine.registry import Registry, default_registry
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
+from ablate.testing.coverage import Coverage
 from ablate.testing.declarations import check_config_roundtrip, check_declarations, check_requirements_enforced
 from ablate.testing.quality import check_quality
 from ablate.testing.run_checks import check_runs
@@ -35,20 +39,33 @@ class KitReport:
     """What the kit ran and measured on a plugin that passed it."""
 
     plugin: str
-    scenarios: list[str]                               # engine runs under contention
+    coverage: dict[str, Coverage]                      # engine runs under contention: what each reached
     runner_models: list[str]                           # teacher-forcing checks
-    sampling: tuple[float, float, int] | None = None   # decoding: (z, KS p-value, tokens)
+    sampling: tuple[float, float, int] | None = None   # decoding: (largest |z|, smallest KS p, tokens)
+    sampling_coverage: Coverage | None = field(default=None, repr=False)   # decoding: the sampled run
     perplexity: tuple[float, float] | None = None      # not exact: (baseline's, the plugin's)
     bound: float | None = None
+
+    @property
+    def scenarios(self) -> list[str]:
+        return list(self.coverage)
 
     def __str__(self) -> str:
         lines = [f"{self.plugin} passes the conformance kit",
                  f"  engine runs under contention: {', '.join(self.scenarios)}"]
+        for name, c in self.coverage.items():
+            lines.append(f"    {name}: {c.admissions_refused} admissions and {c.growths_refused} growths refused, "
+                         f"{c.preemptions} preemptions, {c.resumed} resumed, {c.chunk_before_emitter} steps with a "
+                         "silent chunk before an emitting sequence")
         if self.runner_models:
             lines.append(f"  teacher forcing (batch invariance, logits): {', '.join(self.runner_models)}")
         if self.sampling:
             z, p, n = self.sampling
-            lines.append(f"  sampling: z = {z:+.2f}, KS p = {p:.2g} over {n} tokens")
+            lines.append(f"  sampling: z = {z:+.2f}, KS p = {p:.2g} (the worst of each temperature and top_p) over "
+                         f"{n} tokens")
+            if c := self.sampling_coverage:
+                lines.append(f"    temperatures {sorted(c.temperatures)}, top_p {sorted(c.top_ps)}, "
+                             f"{c.mixed_batches} steps mixing greedy and sampled requests")
         if self.perplexity:
             base, got = self.perplexity
             lines.append(f"  perplexity {got:.3f} vs the baseline's {base:.3f}: ratio {got / base:.4f} "
@@ -68,7 +85,9 @@ def check_plugin(slot: Slot | str, name: str, registry: Registry | None = None,
     check_requirements_enforced(registry, slot, name)
     report = KitReport(f"{slot.value}={name}", check_runs(registry, slot, name, model),
                        check_runner(registry, slot, name, model))
-    report.sampling = check_sampling(registry, slot, name, model)
+    sampled = check_sampling(registry, slot, name, model)
+    if sampled is not None:
+        report.sampling, report.sampling_coverage = sampled
     report.perplexity = check_quality(registry, slot, name, model)
     quality = registry.get(slot, name).quality
     report.bound = quality.max_ratio if quality else None

@@ -2,12 +2,16 @@
 every one of them, naming the plugin and the rule it breaks (test_kit_catches_broken_plugins.py)."""
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import field, make_dataclass
 
 import torch
 
-from ablate.api import PaddedKV, Sequence, probabilities
+from ablate.api import (PaddedKV, QualityBound, SamplingParams, Sequence, causal_mask, pad_queries, probabilities,
+                        unpad_queries)
 from ablate.baselines.autoregressive import Autoregressive, AutoregressiveConfig
+from ablate.baselines.naive_attention import NaiveAttention, NaiveAttentionConfig
 from ablate_decoding.acceptance import Verdict, accept_greedy
 from ablate_decoding.speculative import Speculative, SpeculativeConfig, kept_tokens
 from ablate_kv_cache.contiguous import ContiguousConfig, ContiguousKVCache
@@ -203,3 +207,178 @@ class BiasedSpeculative(Speculative):
         tokens = kept_tokens(seq, verdict.tokens)
         self.counters.record_verification(seq.seq_id, len(drafts), verdict.num_accepted, len(tokens))
         return tokens
+
+
+# -- found only when a scenario reaches its state (ablate/testing/coverage.py) -------------------------
+
+class NeverResumes(ContinuousScheduler):
+    """Preempts the newest sequence to make room, then forgets it: it never runs again."""
+    name = "never_resumes"
+    config_class = config(ContinuousConfig, name)
+
+    def _grow_or_preempt(self, seq, num_tokens):
+        while not self.grow(seq, num_tokens):
+            victim = self.running.pop()
+            self.preempt(victim)              # should go back to the front of self.waiting
+            if victim is seq:
+                return False
+        return True
+
+
+class AdmitsTwice(ContinuousScheduler):
+    """Queues a preempted sequence twice, so it is admitted again while it already runs."""
+    name = "admits_twice"
+    config_class = config(ContinuousConfig, name)
+
+    def preempt(self, seq):
+        super().preempt(seq)
+        self.waiting.appendleft(seq)          # the caller queues it too
+
+
+class ClaimsPreemptedCached(ContinuousScheduler):
+    """Resumes a preempted sequence as if the cache still held what it had computed (swap, not
+    recompute): the cache refuses the claim with a bare ValueError, which is the scheduler's fault."""
+    name = "claims_preempted_cached"
+    config_class = config(ContinuousConfig, name)
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        self.computed_before: dict[int, int] = {}
+
+    def preempt(self, seq):
+        self.computed_before[seq.seq_id] = seq.num_computed_tokens
+        super().preempt(seq)
+
+    def admit(self, seq, num_new_tokens, num_cached_tokens=0):
+        cached = num_cached_tokens or self.computed_before.pop(seq.seq_id, 0)
+        return super().admit(seq, max(1, num_new_tokens - cached), cached)
+
+
+class OneAtATime(ContinuousScheduler):
+    """Serves one sequence at a time: right tokens, but the cache never runs out of room, so the kit
+    never sees it preempt."""
+    name = "one_at_a_time"
+    config_class = config(ContinuousConfig, name)
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        self.max_num_seqs = 1
+
+
+class IgnoresTemperature(Autoregressive):
+    """Samples every sampled request at temperature 1."""
+    name = "ignores_temperature"
+    config_class = config(AutoregressiveConfig, name)
+
+    def step(self, executor, batch):
+        out = executor.forward(batch)
+        emitting = [seq for seq, emits in zip(batch.seqs, batch.emits) if emits]
+        tokens = {}
+        for row, seq in zip(out.logits, emitting):
+            params = seq.request.sampling
+            if params.is_greedy:
+                tokens[seq.seq_id] = [int(row.argmax())]
+            else:
+                at_one = SamplingParams(1.0, params.top_p, params.seed)
+                tokens[seq.seq_id] = [self.sampler.draw(probabilities(row[None], at_one)[0], seq)]
+        return tokens
+
+
+class IgnoresTopP(Autoregressive):
+    """Samples from the whole distribution whatever top_p says."""
+    name = "ignores_top_p"
+    config_class = config(AutoregressiveConfig, name)
+
+    def step(self, executor, batch):
+        out = executor.forward(batch)
+        emitting = [seq for seq, emits in zip(batch.seqs, batch.emits) if emits]
+        tokens = {}
+        for row, seq in zip(out.logits, emitting):
+            params = seq.request.sampling
+            if params.is_greedy:
+                tokens[seq.seq_id] = [int(row.argmax())]
+            else:
+                whole = SamplingParams(params.temperature, 1.0, params.seed)
+                tokens[seq.seq_id] = [self.sampler.draw(probabilities(row[None], whole)[0], seq)]
+        return tokens
+
+
+class LogitsByBatchIndex(Autoregressive):
+    """Reads an emitting sequence's logits at its index in the batch (right while every sequence of a
+    step emits; a prompt chunk that emits nothing has no row)."""
+    name = "logits_by_batch_index"
+    config_class = config(AutoregressiveConfig, name)
+
+    def step(self, executor, batch):
+        out = executor.forward(batch)
+        index = [i for i, emits in enumerate(batch.emits) if emits]
+        emitting = [batch.seqs[i] for i in index]
+        tokens = self.sampler.sample(out.logits[index], emitting)
+        return {seq.seq_id: [tok] for seq, tok in zip(emitting, tokens)}
+
+
+class ScalesKInPlace(NaiveAttention):
+    """Folds 1/sqrt(D) into the keys in place (k.mul_) to save a multiply on the scores: right over a
+    cache whose view is a copy, but a view of the storage scales the cached keys again every step."""
+    name = "scales_k_in_place"
+    config_class = config(NaiveAttentionConfig, name)
+
+    def __call__(self, q, view, step):
+        k, v = view.padded(step)                                   # (B, S, H_kv, D)
+        k.mul_(1.0 / math.sqrt(q.shape[-1]))
+        qp = pad_queries(q, step)                                  # (B, Lq, H, D)
+        b, lq, h, d = qp.shape
+        h_kv, dv = k.shape[2], v.shape[-1]
+        g = h // h_kv
+        qg = qp.view(b, lq, h_kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, h_kv, g * lq, d)
+        scores = (qg.float() @ k.permute(0, 2, 3, 1).float()).view(b, h_kv, g, lq, -1)
+        scores = scores.masked_fill(~causal_mask(step)[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(b, h_kv, g * lq, -1)
+        out = probs @ v.permute(0, 2, 1, 3).float()                # (B, H_kv, G*Lq, D_v)
+        out = out.view(b, h_kv, g, lq, dv).permute(0, 3, 1, 2, 4).reshape(b, lq, h, dv)
+        return unpad_queries(out.to(q.dtype), step)
+
+
+class ZeroBytesPerToken(ContiguousKVCache):
+    """Reports that a token takes no bytes."""
+    name = "zero_bytes_per_token"
+    config_class = config(ContiguousConfig, name)
+
+    @property
+    def bytes_per_token(self):
+        return 0
+
+
+class HalfBytesPerToken(ContiguousKVCache):
+    """Reports half the bytes a token takes in its storage (as if it compressed 2x)."""
+    name = "half_bytes_per_token"
+    config_class = config(ContiguousConfig, name)
+
+    @property
+    def bytes_per_token(self):
+        return self.spec.bytes_per_token // 2
+
+
+class CompressedIgnoresBudget(ContiguousKVCache):
+    """Stores K/V in fp16 (half the tiny model's fp32 bytes) and sizes its pool for engine.max_num_seqs,
+    dropping kv_cache.budget_bytes: a budget set in the model's bytes per token never shows it."""
+    name = "compressed_ignores_budget"
+    config_class = config(ContiguousConfig, name)
+    exact = False
+    quality = QualityBound(max_ratio=1.01, num_tokens=64)
+
+    def __init__(self, config, ctx):
+        super().__init__(dataclasses.replace(config, budget_bytes=0), ctx)    # the bug
+        self.config = config
+        self.k, self.v = self.k.half(), self.v.half()
+
+    @property
+    def bytes_per_token(self):
+        return self.spec.bytes_per_token * self.k.element_size() // self.spec.dtype.itemsize
+
+    def write(self, layer, step, k, v):
+        super().write(layer, step, k.to(self.k.dtype), v.to(self.v.dtype))
+
+    def view(self, layer, step):
+        stored = super().view(layer, step)
+        return PaddedKV(stored.k.to(self.spec.dtype), stored.v.to(self.spec.dtype))

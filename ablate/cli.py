@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+import warnings
 
 from ablate.measure import cpu_policy
 
@@ -63,7 +64,11 @@ def _debugging() -> bool:
 def main() -> None:
     """Every failure ends in one line on stderr (the traceback only with ABLATE_DEBUG=1 or
     HYDRA_FULL_ERROR=1): status 2 for bad input (config, files, options), 1 for anything else, 130
-    when interrupted; a job's failure is also recorded in its run folder (failed.json)."""
+    when interrupted; a job's failure is also recorded in its run folder (failed.json). A warning is
+    one line too (ablate.report.console.warning), unless debugging."""
+    if not _debugging():
+        from ablate.report.console import show_warning
+        warnings.showwarning = show_warning
     try:
         _main()
     except KeyboardInterrupt:

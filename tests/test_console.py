@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from ablate.report.console import job_prefix
 from ablate.report.tables import CONSOLE_WIDTH, console_table, summary_table
@@ -86,3 +87,38 @@ def test_job_prefix_in_a_multirun():
     finally:
         HydraConfig.instance().cfg = None
     assert job_prefix() == ""
+
+
+def test_a_warning_is_one_line_kept_by_every_open_block(capsys):
+    from ablate.report.console import kept_warnings, show_warning, warning
+
+    with kept_warnings() as outer:
+        warning("first\n  over   two lines")
+        with kept_warnings() as inner:
+            show_warning(UserWarning("second"), UserWarning, "somewhere.py", 12)
+    warning("after")
+    assert outer == ["first over two lines", "second"] and inner == ["second"]
+    assert capsys.readouterr().err.splitlines() == ["WARNING: first over two lines", "WARNING: second",
+                                                    "WARNING: after"]
+
+
+@pytest.mark.slow    # a run of the CLI
+def test_a_runs_warnings_are_one_line_each_and_recorded(tmp_path):
+    import json
+
+    from test_cli_errors import ablate
+
+    # attention=flash on a CPU warns that it runs PyTorch's SDPA instead; a noisy arm gets a note
+    done = ablate(tmp_path, "attention=flash", "experiment.repeats=3", "experiment.warmup=0", "workload.num_requests=2",
+                  "workload.prompt_len=8", "workload.output_len=4", "device=cpu", "threads=1", "peak_bandwidth=1e10",
+                  "peak_flops=1e11", ABLATE_MIN_CPU_SHARE="1")
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "flash" in line]
+    assert len(lines) == 1 and lines[0].startswith("WARNING: attention=flash: no Triton"), done.stderr
+    assert "UserWarning" not in done.stderr and ".py:" not in done.stderr
+    folder = next((tmp_path / "results" / "default").glob("*/done.json")).parent
+    recorded = json.loads((folder / "done.json").read_text())["warnings"]
+    assert any(w.startswith("attention=flash: no Triton") for w in recorded)
+    assert any("NOISY: other work took the CPU" in w for w in recorded)      # a share of 1 is never left
+    report = (folder / "report.md").read_text()
+    assert "warning: attention=flash: no Triton" in report and "NOISY: other work took the CPU" in report

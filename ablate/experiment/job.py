@@ -40,7 +40,7 @@ from ablate.model.config import resolve_dtype
 from ablate.model.linear import linear_paths
 from ablate.model.llama import LlamaModel
 from ablate.report.ablation import decode_modes, wandb_extras
-from ablate.report.console import job_prefix
+from ablate.report.console import job_prefix, kept_warnings
 from ablate.report.declared import FILE as DECLARATIONS_FILE
 from ablate.book.chapter_tables import chapter_tables, table_name
 from ablate.report.page import write_report
@@ -110,12 +110,13 @@ def _job(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swallow_
     except OSError as err:
         raise ValueError(f"results_dir={cfg.results_dir}: run folders cannot be written there ({err}); "
                          "give a writable folder") from err
-    with folder.lock():
-        return _measure(cfg, raw, plan, registry, swallow_errors, job_dir, say, device, folder)
+    with folder.lock(), kept_warnings() as given:     # for done.json and the report
+        return _measure(cfg, raw, plan, registry, swallow_errors, job_dir, say, device, folder, given)
 
 
 def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swallow_errors: bool,
-             job_dir: str | None, say, device: torch.device, folder: RunFolder) -> RunFolder | None:
+             job_dir: str | None, say, device: torch.device, folder: RunFolder,
+             given: list[str]) -> RunFolder | None:
     code = code_version()
     inputs = measured_inputs(cfg.model, plan.arms, registry)    # weights, plugin packages, outside engines
     if folder.path.exists() and not cfg.redo and (changed := what_changed(recorded_inputs(folder.path), inputs)):
@@ -188,7 +189,7 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
             say(f"job failed, recorded in {folder.path / 'failed.json'}: {error}")
             return None
         raise
-    warnings, wandb_dir = _publish(cfg, raw, plan.arms, result, folder, env, say)
+    warnings, wandb_dir = _publish(cfg, raw, plan.arms, result, folder, env, say, given)
     folder.finish("done", wandb_dir=wandb_dir, warnings=warnings)
     return folder
 
@@ -209,17 +210,16 @@ def _peaks(cfg: RunConfig, device: torch.device, say) -> hardware.Peaks | None:
 
 
 def _publish(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: ExperimentResult, folder: RunFolder,
-             env: dict[str, Any], say) -> tuple[list[str], str | None]:
-    """The report, the console table, the sample and W&B: each best effort; returns what failed and
-    the W&B run's folder."""
+             env: dict[str, Any], say, given: list[str]) -> tuple[list[str], str | None]:
+    """The report, the console table, the sample and W&B: each best effort; returns the summary's
+    notes and every warning given (`given`: the job's so far, and what failed here), and the W&B
+    run's folder."""
     point_keys = list(cfg.experiment.grid)
-    warnings: list[str] = summary_notes(result.summary, point_keys)    # printed under the console table
 
     def attempt(what: str, action) -> Any:
         try:
             return action()
-        except Exception as err:
-            warnings.append(f"{what} failed: {type(err).__name__}: {err}")
+        except Exception as err:          # warned, so kept in `given`
             warn(f"{what} failed ({type(err).__name__}: {err}); the measurements are in {folder.path}")
             return None
 
@@ -232,7 +232,7 @@ def _publish(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Exper
              "quality: token agreement with the baseline's greedy text, and perplexity of held-out text "
              "through each arm / the baseline's; an arm beyond the limits is *degraded* and gets no speedup",
              decode_modes(result.runs)]
-    notes = [n for n in notes if n]
+    notes = [n for n in notes if n] + [f"warning: {w}" for w in given]
     analytic = attempt("the chapter's analytic tables", lambda: chapter_tables(raw, result.summary)) or {}
     for heading, table in analytic.items():
         attempt(f"storing {heading!r}", lambda: folder.write_table(table_name(heading), table))
@@ -253,7 +253,7 @@ def _publish(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Exper
                         images=figures, default_dir=folder.path, runs=result.runs, point_keys=point_keys,
                         **_wandb_context(env))
     say(f"\nreport: {report}" + (f"\nW&B run: {wandb_dir}" if wandb_dir else ""))
-    return warnings, wandb_dir
+    return summary_notes(result.summary, point_keys) + given, wandb_dir
 
 
 def _wandb_context(env: dict[str, Any]) -> dict[str, Any]:

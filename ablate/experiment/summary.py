@@ -77,8 +77,8 @@ def summarise_arms(runs: pd.DataFrame, point_keys: list[str], baseline: str,
                     ratio = log_interval(every)
                     status = row["status"] = "noisy" if status == "ok" else status
                     row["status_detail"] = row["status_detail"] or (
-                        f"{row['contended_rounds']} of {len(every)} rounds ran while other work took the CPU "
-                        f"(ablate.measure.cpu_load), {len(clean)} clean: no speedup claimed")
+                        f"other work took the CPU in {row['contended_rounds']} of {len(every)} rounds; "
+                        f"{len(clean)} clean, {MIN_ROUNDS} needed: no speedup claimed")
             else:
                 ratio = Interval(np.nan, np.nan, np.nan, 0, f"arm {status}")
             if status in RATIO_ONLY:

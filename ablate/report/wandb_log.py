@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from ablate.report.console import warning
 
 MODES = ("offline", "online", "disabled")
 LATENCY_KEYS = tuple(f"{m}_{p}_ms" for m in ("ttft", "tpot", "itl", "e2e") for p in ("p50", "p90", "p99"))
@@ -103,7 +104,7 @@ def _safe_tag(text: str) -> str:
 
 def warn(message: str) -> None:
     """One line on stderr, however long or multi-line the error behind it (wandb's often are)."""
-    print(f"WARNING: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    warning(message)
 
 
 def _reason(err: BaseException) -> str:

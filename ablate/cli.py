@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 import warnings
 
 from ablate.measure import cpu_policy
@@ -117,10 +116,11 @@ def _main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from ablate.experiment.baseline_failure import recorded_baseline_failure
     from ablate.cli_overrides import interpolation_error, multirun_first, override_problem
     from ablate.experiment.job import run_job
-    from ablate.experiment.sweep_callbacks import FAILED_JOBS, write_job_status
-    from ablate.report.console import job_prefix
+    from ablate.experiment.job_process import run_sweep_job
+    from ablate.experiment.sweep_callbacks import FAILED_JOBS
 
     sys.argv[1:] = multirun_first(sys.argv[1:])
     if not _debugging() and (message := override_problem(sys.argv[1:])) is not None:
@@ -130,6 +130,7 @@ def _main() -> None:
     if not _debugging() and (message := unknown_option(registry, sys.argv[1:])) is not None:
         _fail(f"error: {message}", 2)     # before Hydra's own, less helpful message
     failure: list[BaseException] = []
+    compared_nothing: list[str] = []
 
     @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
     def job(cfg: DictConfig) -> None:
@@ -138,30 +139,25 @@ def _main() -> None:
         except OmegaConfBaseException as err:     # ${oops}: an interpolation naming no option
             failure.append(ValueError(interpolation_error(err)))
             return
-        sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
         job_dir = HydraConfig.get().runtime.output_dir
-        try:
-            folder = run_job(raw, registry, swallow_errors=sweeping, job_dir=job_dir)
-        except Exception as err:     # raised before measuring (a config error, a locked folder), or unswallowed
-            if not sweeping:
-                if _debugging():
-                    raise
-                failure.append(err)       # re-raised outside Hydra, which would print its traceback; main says it
-                return
-            if _debugging():
-                traceback.print_exc()
-            bad_config = isinstance(err, ValueError)      # a sweep goes on with its other jobs
-            message = _one_line(err) if bad_config else f"{type(err).__name__}: {_one_line(err)}"
-            print(f"{job_prefix()}{'error' if bad_config else 'job failed'}: {message}", file=sys.stderr, flush=True)
-            write_job_status(job_dir, "config error" if bad_config else "failed", message)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:    # a process per job: one killed by a signal fails alone
+            run_sweep_job(raw, HydraConfig.get(), job_dir, _debugging())
             return
-        if sweeping:
-            write_job_status(job_dir, "done" if folder is not None else "failed",
-                             "" if folder is not None else f"see {job_dir}/results/failed.json")
+        try:
+            folder = run_job(raw, registry, job_dir=job_dir)
+        except Exception as err:     # raised before measuring (a config error, a locked folder), or while measuring
+            if _debugging():
+                raise
+            failure.append(err)       # re-raised outside Hydra, which would print its traceback; main says it
+            return
+        if (why := recorded_baseline_failure(folder.path)) is not None:
+            compared_nothing.append(f"{why}; its rows and reasons are in {folder.path}")
 
     job()
     if failure:
         raise failure[0]
+    if compared_nothing:
+        _fail(f"error: {compared_nothing[0]}", 1)
     if FAILED_JOBS:           # a sweep with failed jobs: the summary was printed by SweepOutcome
         sys.exit(1)
 

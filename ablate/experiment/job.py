@@ -28,6 +28,8 @@ from ablate.checkpoints.loader import load_model
 from ablate.engine.arm import Arm
 from ablate.engine.registry import Registry
 from ablate.experiment.ablation import ARMS_TABLE
+from ablate.experiment.baseline_failure import KEY as BASELINE_FAILED
+from ablate.experiment.baseline_failure import baseline_failure
 from ablate.experiment.config import RunConfig, to_run_config
 from ablate.experiment.identity import KEY as IDENTITY_KEY
 from ablate.experiment.identity import measured_inputs, recorded_inputs, what_changed
@@ -190,7 +192,8 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
             return None
         raise
     warnings, wandb_dir = _publish(cfg, raw, plan.arms, result, folder, env, say, given)
-    folder.finish("done", wandb_dir=wandb_dir, warnings=warnings)
+    failure = baseline_failure(result.summary, cfg.experiment.baseline or plan.arms[0].name)
+    folder.finish("done", wandb_dir=wandb_dir, warnings=warnings, **({BASELINE_FAILED: failure} if failure else {}))
     return folder
 
 

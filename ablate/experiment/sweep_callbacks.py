@@ -1,7 +1,8 @@
 """Hydra callbacks for sweeps (registered in conf/config.yaml under hydra.callbacks).
 
 SweepOutcome: which jobs of a sweep failed, listed at its end; `python -m ablate -m` then exits
-with status 1 (a sweep whose every job finished exits 0).
+with status 1 (a sweep whose every job finished exits 0). Each job runs in a process of its own
+(ablate.experiment.job_process), so a job killed by a signal is listed too, with the signal.
 
 MeasurePeaksOnce: peak bandwidth and FLOP/s measured while other jobs of a parallel sweep run are
 wrong (they share the memory bus), so the launcher process measures them, or checks the cache,

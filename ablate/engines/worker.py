@@ -132,9 +132,13 @@ def serve_forever(requests: Connection, replies: Connection) -> None:
                 value = measured_serve(engine, *args)
             else:
                 value = engine.close() if engine is not None else None
-            replies.send_bytes(_message(("ok", value)))
+            reply = ("ok", value)
         except Exception as err:         # the engine's error, raised again in the experiment's process
-            replies.send_bytes(_message(("error", err)))
+            reply = ("error", err)
+        try:
+            replies.send_bytes(_message(reply))
+        except OSError:                  # the experiment's process is gone
+            break
         if verb == "close":
             break
 

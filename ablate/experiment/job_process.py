@@ -24,6 +24,7 @@ import pickle
 import subprocess
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,9 @@ def _job_main() -> None:
     hydra = OmegaConf.structured(HydraConf)
     hydra.mode, hydra.job.num, hydra.runtime.output_dir = RunMode.MULTIRUN, num, job_dir
     HydraConfig.instance().set_config(OmegaConf.create({"hydra": hydra}))
+    if not debugging:               # a warning in one line, as the CLI's own process shows them (ablate.cli.main)
+        from ablate.report.console import show_warning
+        warnings.showwarning = show_warning
     try:
         run_recorded(raw, job_dir, debugging)
     except KeyboardInterrupt:

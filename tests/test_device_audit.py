@@ -40,8 +40,8 @@ NO_DEVICE_OK = {
     ("ablate/model/llama.py", "LlamaModel.__init__"):
         "module parameter (the embedding), as RMSNorm.__init__",
     ("ablate/model/llama.py", "LlamaModel.random"):
-        "host-side by design: each weight is drawn on the CPU from one seeded CPU generator, then copied into "
-        "its parameter on the device (the same weights on every device)",
+        "host-side by design, on the CPU only: each weight is drawn in fp32 from one seeded CPU generator, then "
+        "cast into its parameter (the same weights in every dtype); on an accelerator it is drawn in place",
     ("ablate/api/step.py", "device_tensor"):
         "host staging in pinned memory (pin_memory=True is CPU-only), copied to the device on the same line",
 }

@@ -161,11 +161,15 @@ class LlamaModel(nn.Module):
         stream as much as the embedding does, and greedy continuations vary (a test that compares
         tokens must not pass because every token repeats the last one).
 
-        Each parameter is drawn on the CPU in fp32 from one seeded generator, in a fixed order, then
-        copied (cast) into its place on the device: the same seed gives the same weights on every
-        device and dtype (up to the cast), and host memory holds one parameter, never the model."""
+        Each parameter is drawn from one seeded generator, in a fixed order. On the CPU it is drawn in
+        fp32 and copied (cast) into its place: the same seed gives the same weights in every dtype (up
+        to the cast), and host memory holds one parameter, never the model. On an accelerator it is
+        drawn in place, in its dtype, by the device's generator seeded the same: the same weights on
+        every such device kind, other values than the CPU's. Drawing llama-3.2-1b's 1.24 B values on
+        the host took ~20 s in every process that built it; on the device each draw is one kernel."""
         cfg = cfg.for_device(device)
-        gen = torch.Generator().manual_seed(cfg.seed)
+        on_host = torch.device(device).type == "cpu"
+        gen = torch.Generator(torch.device(device)).manual_seed(cfg.seed)
         model = cls.empty(cfg, device)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -177,7 +181,10 @@ class LlamaModel(nn.Module):
                     std = 1.0
                     if p.dim() == 2 and p is not model.embed.weight:
                         std = (4.0 if name.endswith(("wo.weight", "w_down.weight")) else 1.0) * p.shape[1] ** -0.5
-                    p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
+                    if on_host:
+                        p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
+                    else:
+                        p.normal_(0.0, std, generator=gen)
         return model.finalize(device)
 
     @classmethod

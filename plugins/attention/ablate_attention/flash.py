@@ -5,7 +5,11 @@ Which kernel runs for which step:
   cu_seqlens_q = cu_seqlens_k = the step's query starts;
 - a decode step (one query per sequence) over padded rows (contiguous, dynamic caches):
   flash_attention_decode straight on the cache rows, kv_lens masking the rest;
-- anything else (prefill chunks after a prefix, paged blocks): the keys are gathered into packed
+- a decode step over paged blocks: paged_decode_attention, the same split-K online softmax reading
+  each key through the block table in place (FlashAttention's decode with a block table, as vLLM
+  runs it). Both decode paths read lengths and block tables from tensors only, so every decode
+  step this plugin runs can be captured into a CUDA graph (graph_safe);
+- anything else (prefill chunks after a prefix, paged prefill): the keys are gathered into packed
   (sum of context lengths, H_kv, D) and flash_attention_varlen runs with cu_seqlens_k from the
   context lengths (causal masking is bottom-right aligned, as the engine's positions are).
 
@@ -25,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ablate.api import (Attention, BuildContext, KVView, PackedKV, PaddedKV, PluginConfig, Stat, StepInputs,
-                        device_tensor)
+from ablate.api import (Attention, BuildContext, KVView, PackedKV, PaddedKV, PagedKV, PluginConfig, Stat,
+                        StepInputs, device_tensor)
 from ablate_attention.sdpa import SDPAAttention, SDPAConfig
 
 _WARNED: set[str] = set()     # fallback reasons already warned about in this process
@@ -77,7 +81,9 @@ def packed_context_index(step: StepInputs, padded_len: int) -> tuple[torch.Tenso
 class FlashAttention(Attention):
     name = "flash"
     config_class = FlashConfig
-    graph_safe = True     # decode over rows reads lengths from kv_lens_t (engine.graphs)
+    # decode over rows or blocks reads lengths from kv_lens_t and blocks from the view's table, never
+    # the step's lists; only prefill (never captured) gathers by the lists (engine.graphs)
+    graph_safe = True
     reported_stats = (Stat("backends", "the implementation that ran, per kind of step", "text", "first"),)
 
     def __init__(self, config: FlashConfig, ctx: BuildContext) -> None:
@@ -118,6 +124,10 @@ class FlashAttention(Attention):
             b, h, d = step.num_seqs, q.shape[1], q.shape[2]
             return self.kernels.flash_attention_decode(q.reshape(b, h, d), view.k, view.v,
                                                        step.kv_lens_t)               # (T = B, H, D)
+        if step.is_decode and isinstance(view, PagedKV):
+            b, h, d = step.num_seqs, q.shape[1], q.shape[2]
+            return self.kernels.paged_decode_attention(q.reshape(b, h, d), view.k_cache, view.v_cache,
+                                                       view.block_tables, step.kv_lens_t)   # (T = B, H, D)
         k, v = view.padded(step)                                                         # (B, S, H_kv, D)
         rows, cu_seqlens_k = packed_context_index(step, k.shape[1])
         k = k.reshape(-1, *k.shape[2:]).index_select(0, rows)                           # (sum ctx, H_kv, D)

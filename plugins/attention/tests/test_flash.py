@@ -32,16 +32,34 @@ def run_check(interpret: bool) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    """flash_check.py's result with the kernels in Triton's interpreter (minutes: run once per module)."""
+    return run_check(interpret=True)
+
+
 @pytest.mark.slow
-def test_flash_kernels_in_the_interpreter_give_the_naive_greedy_tokens():
-    result = run_check(interpret=True)
+def test_flash_kernels_in_the_interpreter_give_the_naive_greedy_tokens(interpreted):
+    result = interpreted
     assert result["triton_available"]
     for name, arm in result["arms"].items():
         assert arm["same_tokens"], name
         assert arm["backend"] == "flash-triton-interpreted", (name, arm["backend"])   # labelled: never a timing
     assert result["arms"]["contiguous-chunked"]["kinds"] == ["decode", "prefill"]
     assert result["arms"]["mla-contiguous"]["kinds"] == ["decode", "prefill"]
+    assert result["arms"]["paged"]["kinds"] == ["decode", "prefill"]
     assert result["warnings"] == []
+
+
+@pytest.mark.slow
+def test_flash_decode_steps_replay_from_graphs_over_rows_and_blocks(interpreted):
+    """graph_safe holds for every view flash decodes: replays (emulated: the captured step's lists,
+    live tensors) give the eager tokens and no arm falls back to eager; a decode path that read the
+    step's lists (the paged gather sized by max_kv_len) diverged here and turned graphs off."""
+    assert set(interpreted["graphs"]) == {"contiguous-chunked", "paged"}
+    for name, arm in interpreted["graphs"].items():
+        assert arm["disabled"] is None, (name, arm["disabled"])
+        assert arm["replays"] >= 1 and arm["same_tokens"], (name, arm)
 
 
 @pytest.mark.slow

@@ -58,10 +58,27 @@ def environment(ctx) -> dict:
     ctx.measured["matmul_flops"] = hardware.measure_flops(device, torch.bfloat16, n=256)   # CUDA: sized for the GPU
     r |= {"copy_buffer_mib": copy_bytes >> 20, "copy_gb_s": ctx.measured["copy_bytes_s"] / 1e9,
           "bf16_matmul_tflops": ctx.measured["matmul_flops"] / 1e12}
+    r["random_weights_s"] = _random_weights_s("tiny" if ctx.dry else "llama-3.2-1b", device)
     name = r["gpu"]["name"] if cuda else "CPU (dry run)"
     r["headline"] = (f"{name}: copy {r['copy_gb_s']:.0f} GB/s, bf16 matmul {r['bf16_matmul_tflops']:.3g} TFLOP/s; "
-                     f"torch {r['torch']}, triton {r['triton']}")
+                     f"random weights in {r['random_weights_s']:.2f} s; torch {r['torch']}, triton {r['triton']}")
     return r
+
+
+def _random_weights_s(model: str, device: torch.device) -> float:
+    """Seconds to build the random model every CLI run of this check builds (LlamaModel.random, in the
+    model's dtype on the device): what each of those runs pays before its first step."""
+    from ablate.model.config import preset
+    from ablate.model.llama import LlamaModel
+    started = time.perf_counter()
+    model = LlamaModel.random(preset(model), device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return seconds
 
 
 def _kernel_info(device: str) -> dict:
@@ -110,17 +127,32 @@ def _kernel_cases(dtype, head_dim: int, group: int, dry: bool, device: str) -> l
     return [{**c, "dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "group": group} for c in cases]
 
 
+def correctness_combos(dry: bool) -> list[tuple]:
+    """(dtype, head_dim, group) to check. On the GPU every head dim with every group, the dtype alternating
+    so that each dtype also meets every head dim and every group (a pairwise cover: 12 of the 24
+    combinations, each compiling its own kernel variants cold); on the dry run a handful."""
+    if dry:
+        return [(torch.bfloat16, 64, 1), (torch.float16, 128, 3), (torch.bfloat16, 256, 9), (torch.float16, 64, 4)]
+    dtypes = (torch.bfloat16, torch.float16)
+    return [(dtypes[(i + j) % 2], d, g) for i, d in enumerate((64, 128, 256)) for j, g in enumerate((1, 3, 4, 9))]
+
+
 def kernel_correctness(ctx) -> dict:
-    if ctx.dry:   # a handful: every head dim, group and dtype once
-        combos = [(torch.bfloat16, 64, 1), (torch.float16, 128, 3), (torch.bfloat16, 256, 9), (torch.float16, 64, 4)]
-    else:
-        combos = [(dt, d, g) for dt in (torch.bfloat16, torch.float16) for d in (64, 128, 256) for g in (1, 3, 4, 9)]
-    cases = [case for combo in combos for case in _kernel_cases(*combo, ctx.dry, ctx.device)]
+    combos, cases = correctness_combos(ctx.dry), []
+    for done, combo in enumerate(combos):
+        if ctx.remaining() <= 0:
+            break
+        cases += _kernel_cases(*combo, ctx.dry, ctx.device)
+        ctx.progress({"combos_done": done + 1, "combos": len(combos), "cases": cases})
     failed = [c for c in cases if not c["pass"]]
+    checked = len({(c["dtype"], c["head_dim"], c["group"]) for c in cases})
+    if not cases:
+        return {"status": "failed", "cases": [], "headline": "the deadline came before the first combination"}
     worst = max(cases, key=lambda c: c["max_rel_err"])
-    return {"status": "failed" if failed else "ok", **_kernel_info(ctx.device), "cases": cases,
+    cut = "" if checked == len(combos) else f"; cut short at the deadline: {checked}/{len(combos)} combinations"
+    return {"status": "failed" if failed else "partial" if cut else "ok", **_kernel_info(ctx.device), "cases": cases,
             "headline": f"{len(cases) - len(failed)}/{len(cases)} pass; worst max_rel_err {worst['max_rel_err']:.2e}"
-                        f" ({worst['kernel']} {worst['dtype']} d{worst['head_dim']} g{worst['group']})"}
+                        f" ({worst['kernel']} {worst['dtype']} d{worst['head_dim']} g{worst['group']}){cut}"}
 
 
 def _prefill_row(kg, seqlen: int, head_dim: int, heads: int, kv_heads: int, ctx) -> dict:
@@ -160,14 +192,23 @@ def kernel_timing(ctx) -> dict:
     import kernels_gpu as kg
     heads, kv_heads = (4, 2) if ctx.dry else (kg.NUM_HEADS, kg.NUM_KV_HEADS)
     shapes = [(64, 64)] if ctx.dry else [(t, d) for d in (64, 128) for t in (4096, 8192, 16384)]
-    prefill = [_prefill_row(kg, t, d, heads, kv_heads, ctx) for t, d in shapes]
-    r = {**_kernel_info(ctx.device), "prefill": prefill,
-         "prefill_note": f"causal bf16, H={heads} H_kv={kv_heads}; speedup = sdpa_ms / flash_ms (> 1: flash faster)"}
+    r = {"prefill": [], "prefill_note": f"causal bf16, H={heads} H_kv={kv_heads}; speedup = sdpa_ms / flash_ms "
+                                       "(> 1: flash faster)"}
+    for t, d in shapes:
+        if ctx.remaining() <= 0:
+            return r | {**_kernel_info(ctx.device), "status": "partial" if r["prefill"] else "failed",
+                        "headline": f"cut short at the deadline: {len(r['prefill'])}/{len(shapes)} prefill shapes"}
+        r["prefill"].append(_prefill_row(kg, t, d, heads, kv_heads, ctx))
+        ctx.progress(r)
+    prefill = r["prefill"]
+    r |= _kernel_info(ctx.device)
     if ctx.dry:
         r["decode"] = "skipped: needs CUDA (kernels_gpu.bench_decode times with CUDA events)"
         r["headline"] = "dry run: prefill code path exercised on tiny shapes; timings not meaningful"
         return r
     torch.cuda.empty_cache()
+    if ctx.remaining() <= 0:
+        return r | {"status": "partial", "headline": "cut short at the deadline: prefill timed, paged decode not"}
     r["decode"] = [{k: v for k, v in row.items() if k != "sweep"}
                    for row in kg.bench_decode(SimpleNamespace(warmup=5, repeats=20, sweep=False, configs=False))]
     torch.cuda.empty_cache()        # for the CLI runs that follow, in their own processes
@@ -179,8 +220,12 @@ def kernel_timing(ctx) -> dict:
     return r
 
 
+MIN_CLI_S = 20     # a CLI run given less than this before the deadline cannot load a model: not started
+
+
 def run_cli(ctx, name: str, overrides: list[str], timeout: float) -> dict:
-    """`python -m ablate` in a subprocess; its summary.csv read back (None when the run wrote none)."""
+    """`python -m ablate` in a subprocess, for at most `timeout` s and never past the deadline; its
+    summary.csv read back (None when the run wrote none) and each arm's state (`arm_states`)."""
     import pandas as pd
     model = (["model=tiny", "model.init=random", "device=cpu", "threads=1"] if ctx.dry else
              ["model=llama-3.2-1b", "model.init=random", "model.dtype=bf16", "device=cuda"])
@@ -189,24 +234,85 @@ def run_cli(ctx, name: str, overrides: list[str], timeout: float) -> dict:
              if "matmul_flops" in ctx.measured else [])
     cmd = [sys.executable, "-m", "ablate", *overrides, *model, "workload.source=random", *peaks, "redo=true",
            "wandb.mode=disabled", f"results_dir={ctx.out / 'runs'}", f"hydra.run.dir={ctx.out / 'hydra' / name}"]
+    if ctx.remaining() < MIN_CLI_S:
+        return {"rc": "not started", "wall_s": 0.0, "log": None, "run_dir": None, "summary": None, "arms": [],
+                "error_tail": f"not started: {max(ctx.remaining(), 0):.0f} s left before the deadline"}
     log = ctx.out / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
+    started, limit = time.monotonic(), min(timeout, ctx.remaining())
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=ctx.child_env(), capture_output=True, text=True,
-                              timeout=max(min(timeout, ctx.remaining()), 30))
+        proc = ctx.run_process(cmd, timeout, cwd=REPO, env=ctx.child_env(), capture_output=True, text=True)
         rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as exc:
-        rc, stdout, stderr = "timeout", str(exc.stdout or ""), str(exc.stderr or "") + f"\ntimed out after {timeout} s"
+        rc, stdout, stderr = ("timeout", _text(exc.stdout),
+                              _text(exc.stderr) + f"\ntimed out after {limit:.0f} s (its own {timeout:.0f} s or the deadline)")
     log.write_text(f"$ {' '.join(cmd)}\n\n{stdout}\n--- stderr ---\n{stderr}")
     found = re.findall(r"^results: (.+)$", f"{stdout}\n{stderr}", flags=re.M)
-    summary = Path(found[-1].strip()) / "summary.csv" if found else None
+    run_dir = Path(found[-1].strip()) if found else None
     run = {"rc": rc, "wall_s": round(time.monotonic() - started, 1), "log": str(log),
-           "run_dir": str(summary.parent) if summary else None}
-    run["summary"] = pd.read_csv(summary) if summary and summary.exists() else None
+           "run_dir": str(run_dir) if run_dir else None}
+    read = lambda file: pd.read_csv(run_dir / file) if run_dir and (run_dir / file).exists() else None  # noqa: E731
+    run["summary"] = read("summary.csv")
+    run["arms"] = arm_states(run["summary"], read("runs.csv"))
     if rc != 0 or run["summary"] is None:
         run["error_tail"] = "\n".join((stderr or stdout).strip().splitlines()[-8:])
     return run
+
+
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def arm_states(summary, runs) -> list[dict]:
+    """Each arm's status (summary.csv: ok, noisy, degraded, diverged, failed, skipped) and how its decode
+    steps ran (runs.csv's engine.graphs: eager, compile, cuda-graphs, or "eager (why)" when an arm that
+    asked for CUDA graphs could not use them; ablate/engine/graphs.py), with its graph replays."""
+    if summary is None:
+        return []
+    arms = []
+    for row in summary.itertuples():
+        state = {"arm": row.arm, "status": getattr(row, "status", "ok")}
+        if isinstance(getattr(row, "status_detail", None), str):
+            state["detail"] = row.status_detail
+        if runs is not None and "engine.graphs" in runs:
+            rounds = runs[runs["arm"] == row.arm]
+            modes = rounds["engine.graphs"].dropna()
+            if len(modes):
+                state["decode"] = str(modes.iloc[-1])
+                if "engine.graph_replays" in rounds:
+                    state["graph_replays"] = int(rounds["engine.graph_replays"].fillna(0).sum())
+        arms.append(state)
+    return arms
+
+
+UNMEASURED = ("failed", "diverged", "skipped")     # the arm's figures are missing or wrong
+
+
+def arm_problems(arms: list[dict]) -> list[str]:
+    """What makes a run's arms not ok: an arm that failed, diverged from the baseline or was skipped; one
+    that asked for CUDA graphs and ran eagerly ("eager (capture failed: ...)"), or captured and never
+    replayed. Contended (noisy) and lossy (degraded) arms are measured as they claim, and say so."""
+    problems = []
+    for arm in arms:
+        if arm["status"] in UNMEASURED:
+            problems.append(f"{arm['arm']} {arm['status']}" + (f" ({arm['detail']})" if arm.get("detail") else ""))
+        decode = arm.get("decode", "")
+        if decode.startswith("eager ("):
+            problems.append(f"{arm['arm']} ran eagerly: {decode}")
+        elif decode == "cuda-graphs" and arm.get("graph_replays") == 0:
+            problems.append(f"{arm['arm']} captured CUDA graphs but never replayed one")
+    return problems
+
+
+def arms_line(arms: list[dict]) -> str:
+    """Each arm's status and decode mode, arms alike grouped: "ok/cuda-graphs: graphs; ok/eager: eager"."""
+    groups: dict[str, list[str]] = {}
+    for arm in arms:
+        key = f"{arm['status']}/{arm.get('decode', '?')}"
+        if arm.get("decode") == "cuda-graphs" and "graph_replays" in arm:
+            key += f" ({arm['graph_replays']} replays)"
+        groups.setdefault(key, []).append(arm["arm"])
+    return "; ".join(f"{key}: {', '.join(names)}" for key, names in groups.items())
 
 
 def _speedups(summary) -> list[dict]:
@@ -224,7 +330,7 @@ EXPERIMENTS = {   # name: (overrides on a GPU, on the dry run)
 
 
 def experiments(ctx) -> dict:
-    r, failed = {}, []
+    r, failed, problems = {}, [], []
     for name, (gpu, dry) in EXPERIMENTS.items():
         run = run_cli(ctx, name, [f"+experiment={name}", "experiment.repeats=3", *(dry if ctx.dry else gpu)],
                       timeout=120 if ctx.dry else 150)
@@ -233,10 +339,16 @@ def experiments(ctx) -> dict:
             failed.append(name)
         else:
             run["speedups"] = _speedups(summary)
+        problems += [f"{name}: {p}" for p in arm_problems(run["arms"])]
         r[name] = run
         ctx.progress(r)
-    r["status"] = "ok" if not failed else "partial" if len(failed) < len(EXPERIMENTS) else "failed"
-    r["headline"] = ", ".join(f"{n} {r[n]['wall_s']:.0f} s{' FAILED' if n in failed else ''}" for n in EXPERIMENTS)
+    r["problems"] = problems
+    r["status"] = "failed" if len(failed) == len(EXPERIMENTS) else "partial" if failed or problems else "ok"
+    r["headline"] = " | ".join(
+        f"{n} {r[n]['wall_s']:.0f} s" + (f" FAILED (rc {r[n]['rc']})" if n in failed else "")
+        + (f": {arms_line(r[n]['arms'])}" if r[n]["arms"] else "") for n in EXPERIMENTS)
+    if problems:
+        r["headline"] += " | not ok: " + "; ".join(problems)
     return r
 
 
@@ -253,8 +365,8 @@ def decode_mbu(ctx) -> dict:
     weight_bytes = (cfg.num_params(include_embeddings=False) + cfg.vocab_size * cfg.d_model) * cfg.torch_dtype.itemsize
     prompt_len, output_len = 128, (8 if ctx.dry else 128)
     bandwidth = ctx.measured.get("copy_bytes_s")
-    r, rows = {"weight_bytes": weight_bytes, "kv_bytes_per_token": cfg.kv_bytes_per_token(),
-               "copy_gb_s": bandwidth and bandwidth / 1e9, "status": "ok"}, []
+    r, rows, problems = {"weight_bytes": weight_bytes, "kv_bytes_per_token": cfg.kv_bytes_per_token(),
+                         "copy_gb_s": bandwidth and bandwidth / 1e9}, [], []
     for batch in (1, 2) if ctx.dry else (1, 16):
         common = [f"experiment.name=gpu_check_mbu_b{batch}", f"workload.num_requests={batch}", "experiment.repeats=3",
                   f"engine.max_num_seqs={batch}", f"workload.prompt_len={prompt_len}", "experiment.warmup=1",
@@ -262,25 +374,31 @@ def decode_mbu(ctx) -> dict:
         run = run_cli(ctx, f"mbu_b{batch}", [f"++experiment.arms={GRAPH_ARMS}", *common], timeout=120)
         if run["summary"] is None:  # e.g. the per-arm engine option is refused: eager alone still measures
             r[f"graphs_b{batch}_error"] = run.get("error_tail", "")
+            problems.append(f"B={batch}: the eager+graphs run failed (rc {run['rc']}); eager alone")
             run = run_cli(ctx, f"mbu_b{batch}_eager", [f"++experiment.arms={EAGER_ONLY}", *common], timeout=120)
-            r["status"] = "partial"
         if run["summary"] is None:
-            raise RuntimeError(f"decode MBU batch {batch}: no summary ({run.get('error_tail', '')})")
+            problems.append(f"B={batch}: no summary (rc {run['rc']}): {run.get('error_tail', '')[-300:]}")
+            rows.append({"batch": batch, "rc": run["rc"], "log": run["log"]})
+            ctx.progress({**r, "batches": rows})
+            continue
+        problems += [f"B={batch}: {p}" for p in arm_problems(run["arms"])]
         # a decode step at batch B reads the weights once and each sequence's context (mean: prompt + output / 2)
         step_bytes = weight_bytes + batch * (prompt_len + output_len / 2) * cfg.kv_bytes_per_token()
-        row = {"batch": batch, "wall_s": run["wall_s"], "log": run["log"], "step_bytes": step_bytes}
+        row = {"batch": batch, "wall_s": run["wall_s"], "log": run["log"], "step_bytes": step_bytes,
+               "arms": arms_line(run["arms"])}
         for arm in run["summary"].itertuples():
             row[f"tpot_p50_ms_{arm.arm}"] = arm.tpot_p50_ms
             row[f"mbu_{arm.arm}"] = step_bytes / (arm.tpot_p50_ms / 1e3) / bandwidth if bandwidth else None
             row[f"ablate_mbu_decode_{arm.arm}"] = getattr(arm, "mbu_decode", None)
-            if getattr(arm, "status", "ok") not in ("ok", "degraded"):     # e.g. a graphs arm that failed
-                row[f"status_{arm.arm}"] = f"{arm.status}: {getattr(arm, 'status_detail', '')}"
         if "tpot_p50_ms_graphs" in row:
             row["graphs_speedup"] = row["tpot_p50_ms_eager"] / row["tpot_p50_ms_graphs"]
         rows.append(row)
         ctx.progress({**r, "batches": rows})
-    r["batches"] = rows
-    r["headline"] = "; ".join(f"B={row['batch']}: MBU eager {row.get('mbu_eager') or float('nan'):.1%}, graphs "
-                              f"{row.get('mbu_graphs') or float('nan'):.1%}, graphs/eager "
-                              f"{row.get('graphs_speedup', float('nan')):.2f}x" for row in rows)
+    r["batches"], r["problems"] = rows, problems
+    measured = [row for row in rows if "arms" in row]
+    r["status"] = "failed" if not measured else "partial" if problems else "ok"
+    r["headline"] = "; ".join(
+        f"B={row['batch']}: MBU eager {row.get('mbu_eager') or float('nan'):.1%}, graphs "
+        f"{row.get('mbu_graphs') or float('nan'):.1%}, graphs/eager {row.get('graphs_speedup', float('nan')):.2f}x "
+        f"[{row['arms']}]" for row in measured) + (" | not ok: " + "; ".join(problems) if problems else "")
     return r

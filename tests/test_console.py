@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 
 from ablate.report.console import job_prefix
-from ablate.report.tables import CONSOLE_WIDTH, console_table, summary_table
+from ablate.report.console_table import CONSOLE_WIDTH, console_table
+from ablate.report.tables import summary_table
 
 ARMS = ["recompute", "kv_cache=contiguous,attention=sdpa,scheduler=fcfs",
         "kv_cache=paged,block_size=16,attention=flash_decoding,scheduler=fcfs",

@@ -19,7 +19,8 @@ from ablate.experiment import run as run_module
 from ablate.experiment.summary import summarise_arms
 from ablate.measure import cpu_load, cpu_policy
 from ablate.measure.cpu_load import CpuReading, CpuShare, share_between
-from ablate.report.tables import console_table, summary_notes
+from ablate.report.console_table import console_table
+from ablate.report.tables import summary_notes
 from ablate.report.wandb_log import round_metrics, summary_metrics
 from test_rounds import tiny_experiment
 

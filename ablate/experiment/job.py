@@ -46,7 +46,8 @@ from ablate.report.console import job_prefix, kept_warnings
 from ablate.report.declared import FILE as DECLARATIONS_FILE
 from ablate.book.chapter_tables import chapter_tables, table_name
 from ablate.report.page import write_report
-from ablate.report.tables import console_table, summary_notes
+from ablate.report.console_table import console_table
+from ablate.report.tables import summary_notes
 from ablate.report.wandb_log import log_failed_run, log_run, summary_metrics, warn
 from ablate.results import RunFolder, code_version, environment
 

@@ -15,7 +15,7 @@ import torch
 
 from ablate.api.kv import PaddedKV
 from ablate.engine.arm import ArmSpec
-from ablate.engine.graphs import DecodeGraphs, graph_key, graph_mode, why_not_capturable
+from ablate.engine.graphs import DecodeGraphs, graph_key, graph_mode, replay_agrees, why_not_capturable
 from ablate_attention.sdpa import SDPAAttention, SDPAConfig
 
 PROMPT_LENS = [3, 11, 17, 30, 5]
@@ -24,7 +24,8 @@ MAX_NEW = [9, 4, 13, 6, 11]
 
 def emulate_graphs(built) -> DecodeGraphs:
     runner = built.engine.runner
-    runner.graphs = DecodeGraphs(runner.device, why_not_capturable(runner.kv_cache, runner.attention), emulate=True)
+    runner.graphs = DecodeGraphs(runner.device, why_not_capturable(runner.kv_cache, runner.attention),
+                                 compute_dtype=next(runner.model.parameters()).dtype, emulate=True)
     return runner.graphs
 
 
@@ -77,6 +78,52 @@ def test_a_plugin_that_reads_the_lists_is_caught_and_runs_eagerly(build, make_re
 def test_arms_that_cannot_be_captured_say_why(spec, reason, build):
     runner = build(spec).engine.runner
     assert reason in why_not_capturable(runner.kv_cache, runner.attention)
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype`'s numbers at |x| (normal numbers): eps * 2^floor(log2 |x|)."""
+    return torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(x.abs())))
+
+
+def rounded_logits(dtype: torch.dtype) -> torch.Tensor:
+    """(3, 1000) fp32 logits as a model computing in `dtype` gives them: rounded to it, up to ~200."""
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(3, 1000, generator=gen) * 60).to(dtype).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_replay_off_by_rounding_agrees_with_the_eager_step(dtype):
+    eager = rounded_logits(dtype)
+    scale = eager.abs().amax(dim=-1, keepdim=True)                            # (3, 1) the rows' largest logits
+    signs = torch.randint(0, 2, eager.shape, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    assert replay_agrees(eager + 2 * ulp(scale, dtype) * signs, eager, dtype)           # 2 ulps of the scale
+    assert replay_agrees(eager + ulp(eager, dtype) * signs, eager, dtype)               # each re-rounded
+    assert replay_agrees(eager, eager, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_replay_that_diverges_does_not_agree(dtype):
+    eager = rounded_logits(dtype)
+    scale = eager.abs().amax(dim=-1, keepdim=True)
+    assert not replay_agrees(eager[[1, 2, 0]], eager, dtype)                  # another step's logits
+    moved = eager.clone()
+    moved[2, 123] += 10 * ulp(scale[2, 0], dtype)                             # one logit, 10 ulps of the scale
+    assert not replay_agrees(moved, eager, dtype)
+    nan = eager.clone()
+    nan[0, 5] = float("nan")
+    assert not replay_agrees(nan, eager, dtype)
+
+
+def test_the_tolerance_follows_the_models_dtype():
+    """Two bf16 ulps of a logit of ~200 (the issue's case: 1e-3 absolute + relative failed on one) are
+    rounding in a bf16 model, but a divergence in an fp16 or fp32 one."""
+    eager = rounded_logits(torch.bfloat16)
+    scale = eager.abs().amax(dim=-1, keepdim=True)
+    assert scale.min() > 128
+    replayed = eager + 2 * ulp(scale, torch.bfloat16)
+    assert replay_agrees(replayed, eager, torch.bfloat16)
+    assert not replay_agrees(replayed, eager, torch.float16)
+    assert not replay_agrees(replayed, eager, torch.float32)
 
 
 def test_graph_key_separates_shapes_and_rows():

@@ -14,8 +14,9 @@ the batch size, the shapes of the step's tensors, and the cache plan's other val
 rows, a storage address). Before each replay the live step's tensors are copied into the graph's.
 
 Trust, but verify: the first time a graph replays a step other than the one it was captured on, the
-step also runs eagerly and the logits must agree. A plugin that reads a per-step Python value would
-diverge there; the arm then runs eagerly from that step on, and says why.
+step also runs eagerly and the logits must agree to within rounding (replay_agrees). A plugin that
+reads a per-step Python value would diverge there; the arm then runs eagerly from that step on, and
+says why.
 """
 from __future__ import annotations
 
@@ -46,6 +47,34 @@ def why_not_capturable(kv_cache, attention) -> str | None:
     return None
 
 
+# A replay and the eager step compute the same logits with different kernels (cuBLAS picks a GEMM
+# algorithm per stream and workspace; a captured split-K may reduce in another order), so they agree
+# to rounding, not bit for bit. Rounding in a dot product scales with its terms, not its result (a
+# logit near 0 carries the error of the largest ones), so the bound is per row, on the row's scale
+# s = max_j |eager_j|, with eps the machine epsilon of the model's dtype (bf16 2^-7, fp16 2^-10, fp32
+# 2^-23; eps * s is one to two ulps of s):
+#
+#     |replay_j - eager_j| <= REPLAY_TOLERANCE_ULPS * eps * s        for every logit j of the row.
+#
+# Why 4: re-rounded activations move the final hidden state h by ~eps |h|, so a logit w_j . h by
+# ~eps |w_j| |h| / sqrt(d) times a little growth through the layers, while the top logit is
+# s ~ c |w_j| |h| / sqrt(d) with c >= sqrt(2 ln V) ~ 4.9 (the largest of V = 128k random projections;
+# trained models sit higher): rounding stays near eps * s. A step that reads other K/V changes h by
+# O(|h|) and its logits by ~s / c ~ 20% of s, 6x the bf16 bound (1e-3 absolute + relative, the rule
+# before, is under one bf16 ulp of a logit of 200 and turned graphs off on any cuBLAS difference).
+REPLAY_TOLERANCE_ULPS = 4
+
+
+def replay_tolerance(eager: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """eager (N, V) logits of a model computing in `dtype` -> (N, 1) the bound on each row's error."""
+    return REPLAY_TOLERANCE_ULPS * torch.finfo(dtype).eps * eager.abs().amax(dim=-1, keepdim=True)
+
+
+def replay_agrees(replayed: torch.Tensor, eager: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a replay's logits (N, V) equal the eager step's up to rounding in `dtype` (one sync)."""
+    return bool(((replayed - eager).abs() <= replay_tolerance(eager, dtype)).all())
+
+
 def graph_key(step: StepInputs) -> tuple:
     """What fixes a captured graph: the batch size, the plan's tensor shapes and its other values."""
     parts: list = [step.num_seqs]
@@ -71,12 +100,16 @@ class DecodeGraphs:
     """CUDA graphs of one arm's decode steps: `run(step, forward)` replays (capturing on first sight)
     the graph of the step's key; `forward(step) -> logits` is the eager step it stands for.
 
-    emulate=True (tests on a CPU): a "replay" runs `forward` on the graph's own step, whose lists
-    keep the values of the step it was captured on, exactly what a real graph bakes in; so a plugin
-    that is not graph-safe is caught on a machine without a GPU."""
+    compute_dtype: the dtype the model computes in (its parameters'), which sets how closely a replay
+    must agree with the eager step (replay_agrees). emulate=True (tests on a CPU): a "replay" runs
+    `forward` on the graph's own step, whose lists keep the values of the step it was captured on,
+    exactly what a real graph bakes in; so a plugin that is not graph-safe is caught on a machine
+    without a GPU."""
 
-    def __init__(self, device: torch.device, unsupported: str | None, emulate: bool = False) -> None:
+    def __init__(self, device: torch.device, unsupported: str | None, *, compute_dtype: torch.dtype,
+                 emulate: bool = False) -> None:
         self.device = device
+        self.compute_dtype = compute_dtype
         self.emulate = emulate
         self.disabled = unsupported            # why this arm runs eagerly (None: it captures)
         self.graphs: dict[tuple, _Graph] = {}
@@ -105,7 +138,7 @@ class DecodeGraphs:
         if not graph.verified:
             graph.verified = True
             expected = forward(step)           # rewrites the same K/V with the same values
-            if not torch.allclose(logits, expected, rtol=1e-3, atol=1e-3):
+            if not replay_agrees(logits, expected, self.compute_dtype):
                 self.disabled = ("a replayed graph disagreed with the eager step: a plugin reads a per-step "
                                  "value outside step.plan and the step's tensors")
                 self.graphs.clear()

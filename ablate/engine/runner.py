@@ -32,7 +32,8 @@ class ModelRunner:
         # engine.graphs (ablate/engine/graphs.py): decode steps replayed from CUDA graphs on a GPU,
         # their dense arithmetic compiled on a CPU
         self.graph_mode = graph_mode(self.device, graphs)
-        self.graphs = (DecodeGraphs(self.device, why_not_capturable(kv_cache, attention))
+        self.graphs = (DecodeGraphs(self.device, why_not_capturable(kv_cache, attention),
+                                    compute_dtype=next(model.parameters()).dtype)
                        if self.graph_mode == "cuda-graphs" else None)
         self.step_counts = {True: 0, False: 0}      # compile mode: steps run compiled, and not
         self.decoding_name = decoding_name          # who passes draft tokens, for error messages

@@ -57,7 +57,7 @@ def main() -> None:
         runner = built.engine.runner
         if graphed:
             runner.graphs = DecodeGraphs(runner.device, why_not_capturable(runner.kv_cache, runner.attention),
-                                         emulate=True)
+                                         compute_dtype=next(model.parameters()).dtype, emulate=True)
         tokens = [s.output_token_ids for s in built.engine.run(requests)]
         return tokens, built.plugins[Slot.ATTENTION], runner.graphs
 

@@ -19,7 +19,8 @@ cpu_policy.prepare()
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from ablate.engine.registry import conf_dir, default_registry, register_configs, unknown_option  # noqa: E402
+from ablate.engine.config_store import register_configs, unknown_option  # noqa: E402
+from ablate.engine.registry import conf_dir, default_registry  # noqa: E402
 
 
 def list_plugins() -> None:

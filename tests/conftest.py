@@ -116,7 +116,7 @@ def compose_config(registry):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from ablate.engine.registry import register_configs
+    from ablate.engine.config_store import register_configs
 
     register_configs(registry)
 

@@ -217,7 +217,8 @@ def test_fp16_on_a_cpu_warns_once(monkeypatch, caplog):
 # -- 7. messages: plugins, compare, report ---------------------------------------------------------
 
 def test_a_blocked_plugin_says_it_is_blocked_by_the_environment(tmp_path, monkeypatch, compose_config, registry):
-    from ablate.engine.registry import discover, register_configs
+    from ablate.engine.config_store import register_configs
+    from ablate.engine.registry import discover
 
     monkeypatch.setenv("ABLATE_BLOCK_PLUGINS", "kv_cache.paged")
     blocked = discover()
@@ -233,7 +234,7 @@ def test_a_blocked_plugin_says_it_is_blocked_by_the_environment(tmp_path, monkey
 
 def test_an_unknown_plugin_option_lists_the_valid_ones(registry):
     from ablate.api.plugin import Slot
-    from ablate.engine.registry import unknown_option
+    from ablate.engine.config_store import unknown_option
 
     with pytest.raises(ValueError, match=r"kv_cache=paged has no option blok_size; its options are: .*block_size"):
         registry.config(Slot.KV_CACHE, "paged", {"blok_size": 4})

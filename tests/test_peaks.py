@@ -265,7 +265,8 @@ def test_the_callback_expands_swept_dtypes_and_threads(registry):
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
-    from ablate.engine.registry import conf_dir, register_configs
+    from ablate.engine.config_store import register_configs
+    from ablate.engine.registry import conf_dir
     register_configs(registry)
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = GlobalHydra.instance().hydra.compose_config(

@@ -18,7 +18,7 @@ def check_config_roundtrip(registry: Registry, slot: Slot, name: str) -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from ablate.engine.registry import register_configs
+    from ablate.engine.config_store import register_configs
 
     cls = registry.get(slot, name)
     default = cls.config_class()

@@ -53,7 +53,8 @@ def test_composes_with_hydra(registry):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from ablate.engine.registry import conf_dir, register_configs
+    from ablate.engine.config_store import register_configs
+    from ablate.engine.registry import conf_dir
     from ablate.experiment.config import to_run_config
 
     register_configs(registry)

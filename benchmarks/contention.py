@@ -18,9 +18,10 @@ reference; the CPU policy each run chose (threads, OpenMP waiting) is read from 
 
 --before REV: the quickstart on the quiet machine, this tree and ablate/ at REV (a git worktree on
 PYTHONPATH; the plugins are this tree's) alternating, --before-runs each: the quiet path's cost as
-the ratio of wall times with a Welch t-interval, and each arm's throughput both ways.
+the ratio of wall times and of each arm's round times, with Welch t-intervals on the logs.
 --quiet-policies: the quickstart on the quiet machine with OpenMP's own waiting, passive waiting,
-and threads bound to CPUs (OMP_PROC_BIND=true): what the policy keeps on a quiet machine.
+and threads bound to CPUs (OMP_PROC_BIND=true), twice each: each arm's round times against OpenMP's
+own, what the policy keeps on a quiet machine.
 Exits 1 when any arm is silently wrong or the 2-neighbour wall time exceeds 3x the quiet one.
 """
 from __future__ import annotations
@@ -122,8 +123,33 @@ def interval_text(r: dict) -> str:
     return f"{r['ratio']:.2f}x{kind} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
 
 
+def arm_durations(folder: Path) -> dict[str, np.ndarray]:
+    """Each arm's run time per round (runs.csv's duration_s)."""
+    runs = load(folder).runs
+    return {arm: frame["duration_s"].to_numpy(float) for arm, frame in runs.groupby("arm")}
+
+
+def compared(rows: list[dict], key: str, reference: str) -> pd.DataFrame:
+    """Per `key` value but the reference and per arm: its rounds' time / the reference's (Welch t on
+    the logs of every round of every run), and the wall time likewise."""
+    out = []
+    for value in dict.fromkeys(r[key] for r in rows):
+        if value == reference:
+            continue
+        here = [r for r in rows if r[key] == value]
+        ref = [r for r in rows if r[key] == reference]
+        line = {key: value, f"wall / {reference}": log_ratio_interval([r["wall_s"] for r in ref],
+                                                                      [r["wall_s"] for r in here]).text()}
+        for arm in ref[0]["durations"]:
+            line[f"{arm} time / {reference}"] = log_ratio_interval(
+                np.concatenate([r["durations"][arm] for r in ref]),
+                np.concatenate([r["durations"][arm] for r in here])).text()
+        out.append(line)
+    return pd.DataFrame(out)
+
+
 def before_and_after(rev: str, runs: int, work: Path) -> pd.DataFrame:
-    """The quickstart quiet, this tree and `rev` alternating: wall time and each arm's throughput."""
+    """The quickstart quiet, this tree and `rev` alternating: wall time and each arm's round times."""
     worktree = work / "before"
     subprocess.run(["git", "worktree", "add", "--detach", str(worktree), rev], cwd=REPO, check=True,
                    capture_output=True)
@@ -132,23 +158,24 @@ def before_and_after(rev: str, runs: int, work: Path) -> pd.DataFrame:
         for i in range(runs):
             for side, env in (("this tree", {}), (rev, {"PYTHONPATH": str(worktree)})):
                 job = run_job(EXPERIMENTS["quickstart"], work / f"{side.replace(' ', '_')}-{i}", env)
-                summary = load(job["folder"]).summary
-                rows.append({"side": side, "run": i, "wall_s": job["wall_s"],
-                             **{f"tok_s {a}": t for a, t in zip(summary["arm"], summary["output_throughput_tok_s"])}})
-        return pd.DataFrame(rows)
+                rows.append({"side": side, "run": i, "wall_s": job["wall_s"], "durations": arm_durations(job["folder"])})
+        return compared(rows, "side", rev)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, capture_output=True)
 
 
 def quiet_policies(work: Path) -> pd.DataFrame:
+    """The quickstart on the quiet machine under each OpenMP policy, twice each, interleaved."""
     variants = {"openmp default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "bound": {"OMP_PROC_BIND": "true"}}
     rows = []
-    for name, env in variants.items():
-        job = run_job(EXPERIMENTS["quickstart"], work / f"policy-{name.replace(' ', '_')}", env)
-        summary = load(job["folder"]).summary
-        rows.append({"policy": name, "wall_s": job["wall_s"],
-                     **{f"tok_s {a}": t for a, t in zip(summary["arm"], summary["output_throughput_tok_s"])}})
-    return pd.DataFrame(rows)
+    for i in range(2):
+        for name, env in variants.items():
+            job = run_job(EXPERIMENTS["quickstart"], work / f"policy-{name.replace(' ', '_')}-{i}", env)
+            durations = arm_durations(job["folder"])
+            rows.append({"policy": name, "wall_s": job["wall_s"], "durations": durations,
+                         "contended": int(load(job["folder"]).runs["contended"].sum())})
+    print("contended rounds per run: " + ", ".join(f"{r['policy']} {r['contended']}" for r in rows))
+    return compared(rows, "policy", "openmp default")
 
 
 def main() -> int:
@@ -176,10 +203,7 @@ def main() -> int:
         print(policies.to_string(index=False), flush=True)
     if args.before:
         results["before_after"] = both = before_and_after(args.before, args.before_runs, work)
-        new, old = (both[both["side"] == s]["wall_s"] for s in ("this tree", args.before))
-        cost = log_ratio_interval(old, new)
-        print(both.to_string(index=False))
-        print(f"quiet quickstart wall time, this tree / {args.before}: {cost.text()}", flush=True)
+        print(both.to_string(index=False), flush=True)
 
     rows = []
     for level in levels:

@@ -14,7 +14,7 @@ import pytest
 
 from ablate.report.collect import UNITS, collect, main, storable
 
-SUFFIXES = ("_s", "_ms", "_bytes", "_x", "_frac", "_tok", "_count", "_seqs", "_ppl")
+SUFFIXES = ("_s", "_ms", "_bytes", "_x", "_frac", "_tok", "_count", "_seqs", "_ppl", "_cpus", "_procs")
 ERROR = "RuntimeError: CUDA out of memory (fabricated for the test)"
 
 

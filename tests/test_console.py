@@ -109,10 +109,11 @@ def test_a_runs_warnings_are_one_line_each_and_recorded(tmp_path):
 
     from test_cli_errors import ablate
 
-    # attention=flash on a CPU warns that it runs PyTorch's SDPA instead; a noisy arm gets a note
+    # attention=flash on a CPU, outside Triton's interpreter (which other tests turn on for this process),
+    # warns that it runs PyTorch's SDPA instead; a noisy arm gets a note
     done = ablate(tmp_path, "attention=flash", "experiment.repeats=3", "experiment.warmup=0", "workload.num_requests=2",
                   "workload.prompt_len=8", "workload.output_len=4", "device=cpu", "threads=1", "peak_bandwidth=1e10",
-                  "peak_flops=1e11", ABLATE_MIN_CPU_SHARE="1")
+                  "peak_flops=1e11", ABLATE_MIN_CPU_SHARE="1", TRITON_INTERPRET="0")
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if "flash" in line]
     assert len(lines) == 1 and lines[0].startswith("WARNING: attention=flash: no Triton"), done.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -69,6 +70,8 @@ def third_party(tmp_path, monkeypatch):
     (info / "RECORD").write_text("fake_ablate_plugin/__init__.py,,\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("ABLATE_CACHE_DIR", str(tmp_path / "cache"))
+    # this test's package, not one an earlier test imported from its own folder under the same name
+    monkeypatch.delitem(sys.modules, "fake_ablate_plugin", raising=False)
     return package / "__init__.py"
 
 

@@ -17,9 +17,10 @@ min_left_share() (0.9). `cpu_time_share` is recorded, not the rule: a run that w
 server uses little CPU on a quiet machine, and spinning OpenMP threads use all of theirs on a busy one.
 Waiting for a CPU is neither: it is the time others took from us.
 
-The threshold: on a quiet 2-core machine the share left read 0.97-1.00 over every arm of the
-quickstart and ch08 (benchmarks/contention.py); with one busy neighbour process 0.5-0.6. 0.9 flags
-every round a neighbour slowed by more than the quiet rounds' spread.
+The threshold, from benchmarks/contention.py's rounds on a 2-core VM (results/reference/contention):
+quiet, the share left read 0.93-1.00 (waiting under 0.6%, the rest the hypervisor's steal); one busy
+neighbour beside a 1-thread run 0.98-1.00 (it used the CPU the run left free); two 0.58-0.67, two
+torch processes 0.65-0.67, four 0.37-0.41. 0.9 lies between the quiet rounds and the slowed ones.
 
 Where /proc cannot be read (not Linux) nothing is claimed: the figures are absent, no run is called
 contended, and `available()` says why.

@@ -49,6 +49,11 @@ UNITS = {
     "measured_step_time_s_total": "measured_step_time_total_s",
     "perplexity": "perplexity_ppl",     # exp(mean nats per token): its own unit
     "kernel_compiles": "kernel_compiles_count",
+    # what the CPU did during a run (ablate.measure.cpu_load)
+    "cpu_time_share": "cpu_time_share_frac", "cpu_others_cores": "cpu_others_cpus", "cpu_steal_share":
+    "cpu_steal_share_frac", "cpu_wait_share": "cpu_wait_share_frac", "cpu_left_share": "cpu_left_share_frac",
+    "involuntary_switches": "involuntary_switches_count", "load_1m": "load_1m_procs",
+    "contended_rounds": "contended_rounds_count",
 }
 # a table's own columns that would clash with the job's
 CLASHES = {"status": "arm_status", "status_detail": "arm_status_detail"}

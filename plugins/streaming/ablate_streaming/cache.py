@@ -79,8 +79,10 @@ class StreamingKVCache(RowBuffers, KVCache):
     name = "streaming"
     config_class = StreamingConfig
     exact = False                      # evicted tokens are no longer attended to
-    # the kit's check: a window of 16 on a 96-token text evicts from the 22nd token on; ratio 1.25 measured
-    quality = QualityBound(max_ratio=1.5, num_tokens=96, config={"num_sinks": 4, "window": 16})
+    # the kit's check: a window of 16 on a 96-token text evicts from the 22nd token on; ratio 1.88 measured
+    # (1.25 before random embeddings became a small share of the residual stream: attention, and so
+    # what the window evicts, then carries more of the output), the bound 1.2x that as before
+    quality = QualityBound(max_ratio=2.25, num_tokens=96, config={"num_sinks": 4, "window": 16})
     reported_stats = (
         Stat("kv_capacity_tokens", "tokens per row", "tokens"),
         Stat("kv_peak_reserved_bytes", "largest buffer held", "bytes"),

@@ -265,42 +265,41 @@ class OneAtATime(ContinuousScheduler):
         self.max_num_seqs = 1
 
 
-class IgnoresTemperature(Autoregressive):
+class SamplesOtherwise(Autoregressive):
+    """Greedy requests right, sampled ones drawn with `sampled_as(their params)` instead of them."""
+
+    def sampled_as(self, params: SamplingParams) -> SamplingParams:
+        raise NotImplementedError
+
+    def step(self, executor, batch):
+        out = executor.forward(batch)
+        emitting = [seq for seq, emits in zip(batch.seqs, batch.emits) if emits]
+        tokens = {}
+        for row, seq in zip(out.logits, emitting):
+            params = seq.request.sampling
+            if params.is_greedy:
+                tokens[seq.seq_id] = [int(row.argmax())]
+            else:
+                tokens[seq.seq_id] = [self.sampler.draw(probabilities(row[None], self.sampled_as(params))[0], seq)]
+        return tokens
+
+
+class IgnoresTemperature(SamplesOtherwise):
     """Samples every sampled request at temperature 1."""
     name = "ignores_temperature"
     config_class = config(AutoregressiveConfig, name)
 
-    def step(self, executor, batch):
-        out = executor.forward(batch)
-        emitting = [seq for seq, emits in zip(batch.seqs, batch.emits) if emits]
-        tokens = {}
-        for row, seq in zip(out.logits, emitting):
-            params = seq.request.sampling
-            if params.is_greedy:
-                tokens[seq.seq_id] = [int(row.argmax())]
-            else:
-                at_one = SamplingParams(1.0, params.top_p, params.seed)
-                tokens[seq.seq_id] = [self.sampler.draw(probabilities(row[None], at_one)[0], seq)]
-        return tokens
+    def sampled_as(self, params):
+        return SamplingParams(1.0, params.top_p, params.seed)
 
 
-class IgnoresTopP(Autoregressive):
+class IgnoresTopP(SamplesOtherwise):
     """Samples from the whole distribution whatever top_p says."""
     name = "ignores_top_p"
     config_class = config(AutoregressiveConfig, name)
 
-    def step(self, executor, batch):
-        out = executor.forward(batch)
-        emitting = [seq for seq, emits in zip(batch.seqs, batch.emits) if emits]
-        tokens = {}
-        for row, seq in zip(out.logits, emitting):
-            params = seq.request.sampling
-            if params.is_greedy:
-                tokens[seq.seq_id] = [int(row.argmax())]
-            else:
-                whole = SamplingParams(params.temperature, 1.0, params.seed)
-                tokens[seq.seq_id] = [self.sampler.draw(probabilities(row[None], whole)[0], seq)]
-        return tokens
+    def sampled_as(self, params):
+        return SamplingParams(params.temperature, 1.0, params.seed)
 
 
 class LogitsByBatchIndex(Autoregressive):

@@ -41,7 +41,13 @@ def run_tokens(built, requests) -> list[list[int]]:
     {"kv_cache": {"name": "paged", "block_size": 4}, "attention": "sdpa"},
     {"kv_cache": "contiguous", "attention": "sdpa", "scheduler": "continuous"},
     {"kv_cache": {"name": "paged", "block_size": 4}, "attention": "sdpa", "scheduler": "continuous"},
-], ids=["contiguous-sdpa", "contiguous-flash", "dynamic-growing", "paged", "continuous", "paged-continuous"])
+    {"kv_cache": "contiguous"},                                                    # naive attention
+    {"kv_cache": {"name": "paged", "block_size": 4}},                              # naive, gathered blocks
+    {"kv_cache": {"name": "paged", "block_size": 4}, "attention": {"name": "paged", "backend": "torch"}},
+    {"kv_cache": "contiguous", "variant": {"name": "mla", "rank": 16}},            # latent rows as K and V
+    {"kv_cache": "contiguous", "variant": {"name": "gqa", "kv_heads": 1}},
+], ids=["contiguous-sdpa", "contiguous-flash", "dynamic-growing", "paged", "continuous", "paged-continuous",
+        "contiguous-naive", "paged-naive", "paged-attention-gather", "mla", "gqa"])
 def test_replayed_decode_steps_give_the_eager_tokens(spec, build, make_requests):
     eager = run_tokens(build(spec), make_requests(PROMPT_LENS, MAX_NEW))
     built = build(spec)
@@ -72,13 +78,16 @@ def test_a_plugin_that_reads_the_lists_is_caught_and_runs_eagerly(build, make_re
     assert built.stats()["engine.graphs"].startswith("eager (")
 
 
-@pytest.mark.parametrize("spec, reason", [
-    ({"kv_cache": "none"}, "keeps no K/V"),
-    ({"kv_cache": "contiguous", "attention": "naive"}, "attention=naive does not declare graph_safe"),
-])
-def test_arms_that_cannot_be_captured_say_why(spec, reason, build):
-    runner = build(spec).engine.runner
-    assert reason in why_not_capturable(runner.kv_cache, runner.attention)
+def test_arms_that_cannot_be_captured_say_why(build):
+    runner = build({"kv_cache": "none"}).engine.runner
+    assert "keeps no K/V" in why_not_capturable(runner.kv_cache, runner.attention)
+
+    class Undeclared(SDPAAttention):
+        name = "undeclared"
+        graph_safe = False
+    runner = build({"kv_cache": "contiguous"}).engine.runner
+    assert "attention=undeclared does not declare graph_safe" in why_not_capturable(
+        runner.kv_cache, Undeclared(SDPAConfig(), None))
 
 
 def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

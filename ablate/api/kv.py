@@ -82,6 +82,10 @@ class PaddedKV:
     v: torch.Tensor
 
     def padded(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, S, H_kv, D) each: S = the step's longest kv_len, or every row's whole capacity in a step
+        captured for replay (step.graphed), whose lengths the host lists do not hold."""
+        if step.graphed:
+            return self.k, self.v
         s = step.max_kv_len
         return self.k[:, :s], self.v[:, :s]
 
@@ -99,6 +103,11 @@ class PagedKV:
         return self.k_cache.shape[1]
 
     def padded(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V gathered through the block tables, (B, S, H_kv, D) each: S = the step's longest kv_len, or
+        every block of the table in a step captured for replay (step.graphed)."""
+        if step.graphed:
+            table = self.block_tables.long()                               # (B, nb)
+            return self.k_cache[table].flatten(1, 2), self.v_cache[table].flatten(1, 2)   # (B, nb * bs, H_kv, D)
         s = step.max_kv_len
         num_blocks = -(-s // self.block_size)
         table = self.block_tables[:, :num_blocks].long()                  # (B, nb)

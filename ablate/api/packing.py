@@ -3,24 +3,31 @@ from __future__ import annotations
 
 import torch
 
-from ablate.api.step import StepInputs
+from ablate.api.step import StepInputs, device_tensor
 
 
-def causal_mask(step: StepInputs) -> torch.Tensor:
-    """(B, Lq, S) True where query i of sequence b may see key j (S = the step's longest kv_len).
+def causal_mask(step: StepInputs, num_keys: int | None = None) -> torch.Tensor:
+    """(B, Lq, S) True where query i of sequence b may see key j; S = num_keys, the width of the keys
+    attention reads (view.padded's), by default the step's longest kv_len.
 
     Aligned at the end: with L = kv_lens[b] keys and q = query_lens[b] queries, query i sees keys
     j <= L - q + i, and only keys that exist (j < L). Padded query rows see every real key (no NaNs).
+    In a decode step captured for replay (step.graphed) the mask is built from kv_lens_t alone: pass
+    num_keys, since the step's lists hold the lengths of the step it was captured on.
     """
+    s = num_keys if num_keys is not None else step.max_kv_len
+
     def make():
         device = step.input_ids.device
         kv = step.kv_lens_t.long()                                         # (B,)
-        qlen = torch.tensor(step.query_lens, device=device)                # (B,)
+        j = torch.arange(s, device=device)                                 # (S,)
+        if step.graphed:                                                   # one query, the sequence's last
+            return (j[None, :] < kv[:, None])[:, None, :]                  # (B, 1, S)
+        qlen = device_tensor(step.query_lens, torch.long, device)          # (B,)
         i = torch.arange(step.max_query_len, device=device)                # (Lq,)
-        j = torch.arange(step.max_kv_len, device=device)                   # (S,)
         last = (kv - qlen)[:, None] + i[None, :]                           # (B, Lq): last key each query sees
         return (j[None, None, :] <= last[:, :, None]) & (j[None, None, :] < kv[:, None, None])
-    return step.memo("causal_mask", make)
+    return step.memo(f"causal_mask/{s}", make)
 
 
 def pad_queries(q: torch.Tensor, step: StepInputs) -> torch.Tensor:

@@ -17,6 +17,7 @@ class NaiveAttentionConfig(PluginConfig):
 class NaiveAttention(Attention):
     name = "naive"
     config_class = NaiveAttentionConfig
+    graph_safe = True     # view.padded and causal_mask read a captured step's lengths from kv_lens_t
 
     def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs) -> torch.Tensor:
         k, v = view.padded(step)                                   # (B, S, H_kv, D)
@@ -28,7 +29,7 @@ class NaiveAttention(Attention):
         qg = qp.view(b, lq, h_kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, h_kv, g * lq, d)  # (B, H_kv, G*Lq, D)
         scores = qg.float() @ k.permute(0, 2, 3, 1).float()       # (B, H_kv, G*Lq, S)
         scores = scores.view(b, h_kv, g, lq, -1) * (1.0 / math.sqrt(d))
-        mask = causal_mask(step)                                   # (B, Lq, S)
+        mask = causal_mask(step, k.shape[1])                       # (B, Lq, S)
         scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(b, h_kv, g * lq, -1)
         out = probs @ v.permute(0, 2, 1, 3).float()                # (B, H_kv, G*Lq, D_v)

@@ -47,7 +47,7 @@ def gathered_attention(q: torch.Tensor, view: KVView, step: StepInputs) -> torch
     """The PyTorch path: gather K/V through the block tables, then masked SDPA. q (T, H, D) -> (T, H, D)."""
     k, v = view.padded(step)                                   # (B, S, H_kv, D): k_cache[block_tables] flattened
     qp = pad_queries(q, step).transpose(1, 2)                  # (B, H, Lq, D)
-    mask = causal_mask(step)[:, None]                          # (B, 1, Lq, S): key j <= query position, j < context
+    mask = causal_mask(step, k.shape[1])[:, None]              # (B, 1, Lq, S): key j <= query position, j < context
     out = F.scaled_dot_product_attention(qp, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True)
     return unpad_queries(out.transpose(1, 2), step)            # (T, H, D)
 
@@ -97,7 +97,7 @@ def _warn_once(reason: str, message: str) -> None:
 class PagedAttention(Attention):
     name = "paged"
     config_class = PagedAttentionConfig
-    graph_safe = True     # the decode kernel reads lengths and block tables from tensors
+    graph_safe = True     # the decode kernels and the gather read lengths and block tables from tensors
     requires = (Requirement(Slot.KV_CACHE, frozenset({"paged"}), "reads K/V through block tables"),)
     reported_stats = (Stat("backends", "the implementation that ran, per kind of step", "text", "first"),)
 
@@ -134,7 +134,6 @@ class PagedAttention(Attention):
             self.decode_kernel = "triton"
         else:
             self.decode_kernel = "native" if native_runs else "triton" if runnable else "torch"
-        self.graph_safe = self.decode_kernel == "triton"    # the PyTorch gather sizes its tensors from the lists
         self.forced = config.backend in ("triton", "native")
         self.kernel = ablate_kernels.backend_label(device)     # triton, or triton-interpreted: never a timing
         if self.decode_kernel == "torch" and config.backend == "auto":

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ablate.api import (Attention, KVView, PaddedKV, PagedKV, PluginConfig, Stat, StepInputs, causal_mask, pad_queries,
-                        unpad_queries)
+from ablate.api import Attention, KVView, PluginConfig, Stat, StepInputs, causal_mask, pad_queries, unpad_queries
 
 
 @dataclass
@@ -43,7 +42,7 @@ def _unmasked(step: StepInputs) -> bool:
 class SDPAAttention(Attention):
     name = "sdpa"
     config_class = SDPAConfig
-    graph_safe = True     # a captured decode step reads every row's full capacity, masked by kv_lens_t
+    graph_safe = True     # a captured decode step reads every row's capacity, masked by kv_lens_t
     reported_stats = (Stat("backends", "the implementation that ran, per kind of step", "text", "first"),)
 
     def __init__(self, config: SDPAConfig, ctx) -> None:
@@ -56,36 +55,19 @@ class SDPAAttention(Attention):
         return f"sdpa({picked})" if picked else "sdpa"
 
     def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs) -> torch.Tensor:
-        if step.graphed and step.is_decode and isinstance(view, (PaddedKV, PagedKV)):
-            return self._graphed_decode(q, view, step)
         k, v = view.padded(step)                                     # (B, S, H_kv, D)
         qp = pad_queries(q, step).transpose(1, 2)                    # (B, H, Lq, D)
         k, v = k.transpose(1, 2), v.transpose(1, 2)                  # (B, H_kv, S, D)
-        is_causal = step.memo("sdpa_is_causal", lambda: _plain_causal(step))
-        unmasked = is_causal or step.memo("sdpa_unmasked", lambda: _unmasked(step))
-        mask = None if unmasked else causal_mask(step)[:, None]      # (B, 1, Lq, S)
-        kind = "decode" if step.is_decode else "causal" if is_causal else "masked"
+        # a captured step reads every row's capacity (view.padded), masked by its kv_lens_t
+        is_causal = not step.graphed and step.memo("sdpa_is_causal", lambda: _plain_causal(step))
+        unmasked = is_causal or not step.graphed and step.memo("sdpa_unmasked", lambda: _unmasked(step))
+        mask = None if unmasked else causal_mask(step, k.shape[2])[:, None]   # (B, 1, Lq, S)
+        kind = ("decode-graphed" if step.graphed else "decode" if step.is_decode
+                else "causal" if is_causal else "masked")
         if kind not in self.backends:
             self.backends[kind] = sdpa_backend(qp, k, v, mask, is_causal)
         out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
         return unpad_queries(out.transpose(1, 2), step)              # (T, H, D)
-
-    def _graphed_decode(self, q: torch.Tensor, view: PaddedKV | PagedKV, step: StepInputs) -> torch.Tensor:
-        """A decode step captured for replay at other lengths: every row's full capacity (every block
-        of the table), the keys past each sequence's length masked through kv_lens_t (the step's
-        lists hold the capture's values)."""
-        if isinstance(view, PagedKV):
-            table = view.block_tables.long()                                       # (B, nb)
-            k, v = view.k_cache[table].flatten(1, 2), view.v_cache[table].flatten(1, 2)   # (B, nb * bs, H_kv, D)
-        else:
-            k, v = view.k, view.v                                                  # (B, S, H_kv, D)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)                 # (B, H_kv, S, D)
-        keys = torch.arange(k.shape[2], device=q.device)            # (S,)
-        mask = (keys[None, :] < step.kv_lens_t[:, None])[:, None, None]   # (B, 1, 1, S)
-        qp = q[:, None].transpose(1, 2)                             # (B, H, 1, D)
-        self.backends.setdefault("decode-graphed", sdpa_backend(qp, k, v, mask, False))
-        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, enable_gqa=True)
-        return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)   # (T = B, H, D)
 
     def stats(self) -> dict[str, float]:
         return {"backends": self.backend}

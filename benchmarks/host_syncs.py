@@ -36,6 +36,7 @@ def main() -> None:
         found = summary(count_syncs(built, requests()))
         rows.append({"arm": name, "decode steps": found["decode_steps"], "syncs / step (max)": found["max_per_step"],
                      "bound": MAX_SYNCS_PER_DECODE_STEP + per_draft, "syncs / layer (max)": found["max_per_layer"],
+                     "host copies / step (max)": found["max_host_copies_per_step"],
                      "calls in decode steps": ", ".join(f"{k} {v}" for k, v in sorted(found["calls"].items()))})
     print(pd.DataFrame(rows).to_markdown(index=False))
 

@@ -5,7 +5,7 @@
 A plugin subclasses one slot's base class (KVCache, Attention, Scheduler, Decoding, ModelVariant),
 declares a config dataclass deriving from PluginConfig, and is found through the entry-point group
 `ablate.plugins` (`<slot>.<name> = "package.module:Class"`). The rules of each slot, who calls
-what and in which order, are in ablate/api/slots.py; the README's "Writing a plugin" walks through
+what and in which order, are in ablate/api/slots.py; docs/writing-a-plugin.md walks through
 one. Variants and drafters that build models also import from ablate.api.model.
 """
 from ablate.api.clock import now
@@ -17,7 +17,7 @@ from ablate.api.kv_cache import KVCache
 from ablate.api.packing import causal_mask, pad_queries, unpad_queries
 from ablate.api.plugin import Plugin, PluginConfig, PluginError, QualityBound, Requirement, Slot, Stat, StatFigure
 from ablate.api.rows import RowBuffers
-from ablate.api.sampling import Sampler, probabilities
+from ablate.api.sampling import Sampler, greedy, probabilities
 from ablate.api.sequence import Request, SamplingParams, Sequence, Status
 from ablate.api.slots import Attention, Decoding, ModelVariant, Scheduler
 from ablate.api.step import Batch, StepInputs, StepLogits, device_tensor
@@ -27,5 +27,5 @@ __all__ = [
     "KVSpec", "KVView", "ModelSession", "ModelVariant", "PackedKV", "PaddedKV", "PagedKV", "Plugin",
     "PluginConfig", "PluginError", "QualityBound", "Request", "Requirement", "RowBuffers", "Sampler", "SamplingParams",
     "Scheduler", "Sequence", "Slot", "Stat", "StatFigure", "Status", "StepInputs", "StepLogits", "budget_bytes",
-    "causal_mask", "device_tensor", "free_memory_bytes", "now", "pad_queries", "probabilities", "unpad_queries",
+    "causal_mask", "device_tensor", "free_memory_bytes", "greedy", "now", "pad_queries", "probabilities", "unpad_queries",
 ]

@@ -25,6 +25,15 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def greedy(logits: torch.Tensor) -> list[int]:
+    """logits (N, V) -> each row's argmax (the first, on ties), as host ints: one sync on a GPU. On the
+    CPU through numpy, whose argmax is vectorised: torch's CPU argmax reads the row ~10-20x slower, and
+    for a 49k vocabulary it would be most of a decode step's host time (benchmarks/host_overhead.py)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(logits.detach().numpy().argmax(-1)).tolist()   # tolist: the GPU path's one sync
+    return logits.argmax(-1).tolist()
+
+
 class Sampler:
     """One generator per sequence, seeded from its request: tokens do not depend on batch mates."""
 
@@ -47,12 +56,12 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits (N, V), one row per sequence -> one token each."""
         if all(s.request.sampling.is_greedy for s in seqs):
-            return logits.argmax(-1).tolist()                     # one op (and one sync) for the batch
+            return greedy(logits)                                 # one op (and one sync) for the batch
         tokens = []
         for row, seq in zip(logits, seqs):
             params = seq.request.sampling
             if params.is_greedy:
-                tokens.append(int(row.argmax()))
+                tokens.append(greedy(row[None])[0])
             else:
                 tokens.append(self.draw(probabilities(row[None], params)[0], seq))
         return tokens

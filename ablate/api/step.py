@@ -47,7 +47,7 @@ def device_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -
     asynchronously: a copy from pageable memory would wait for the GPU to finish its queue first."""
     if device.type == "cuda":
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).to(device)       # a CPU (or any other device): no staging
 
 
 @dataclass

@@ -20,6 +20,7 @@ says why.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -126,6 +127,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if unsupported is None and not emulate else None
         self.num_captures = self.num_replays = self.num_eager = 0
+        self.capture_s = 0.0                   # spent capturing (inside the run that met each shape first)
 
     def run(self, step: StepInputs, forward: Callable[[StepInputs], torch.Tensor]) -> torch.Tensor:
         if self.disabled is not None or not step.is_decode:
@@ -134,7 +136,11 @@ class DecodeGraphs:
         key = graph_key(step)
         graph = self.graphs.get(key)
         if graph is None:
-            return self._capture(key, step, forward)
+            start = time.perf_counter()
+            try:
+                return self._capture(key, step, forward)
+            finally:
+                self.capture_s += time.perf_counter() - start
         for name in STEP_TENSORS:
             getattr(graph.step, name).copy_(getattr(step, name), non_blocking=True)
         for name, value in step.plan.items():
@@ -183,7 +189,7 @@ class DecodeGraphs:
     def stats(self) -> dict[str, str | int]:
         state = "cuda-graphs" if self.disabled is None else f"eager ({self.disabled})"
         return {"graphs": state, "graph_captures": self.num_captures, "graph_replays": self.num_replays,
-                "graph_eager_steps": self.num_eager}
+                "graph_eager_steps": self.num_eager, "graph_capture_s": self.capture_s}
 
     def close(self) -> None:
         self.graphs.clear()

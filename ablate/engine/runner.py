@@ -63,16 +63,20 @@ class ModelRunner:
             rows = 1 + len(drafts) if emits else 0
             logits_rows.append(rows)
             logits_indices += range(query_starts[-1] - rows, query_starts[-1])
-        dev = self.device
+        # one host-to-device copy for the step's five index tensors, split into views on the device
+        lists = (ids, positions, logits_indices, query_starts, context_lens)
+        packed = device_tensor([v for values in lists for v in values], torch.long, self.device)
+        input_ids, positions_t, logits_indices_t, query_starts_t, kv_lens_t = packed.split([len(v) for v in lists])
         step = StepInputs(
             seqs=batch.seqs,
-            input_ids=device_tensor(ids, torch.long, dev),
-            positions=device_tensor(positions, torch.long, dev),
+            input_ids=input_ids,                                # (T,)
+            positions=positions_t,                              # (T,)
             query_lens=query_lens,
             context_lens=context_lens,
             query_starts=query_starts,
-            logits_indices=device_tensor(logits_indices, torch.long, dev),
-            query_starts_t=device_tensor(query_starts, torch.int32, dev),
+            logits_indices=logits_indices_t,                    # (N,)
+            query_starts_t=query_starts_t.to(torch.int32),      # (B+1,)
+            kv_lens_t=kv_lens_t.to(torch.int32),                # (B,): the cache's prepare may replace it
         )
         return step, logits_rows
 
@@ -119,14 +123,16 @@ class ModelRunner:
             return self.model.logits(hidden.index_select(0, step.logits_indices))                   # (N, V)
 
     def graph_stats(self) -> dict[str, str | int]:
-        """How decode steps ran: engine.graphs' mode and, with CUDA graphs, captures and replays."""
+        """How decode steps ran: engine.graphs' mode, the steps replayed (CUDA graphs) or run compiled (a
+        CPU), the steps run eagerly, and the captures with their time."""
         if self.graphs is not None:
             return self.graphs.stats()
-        mode = self.graph_mode
-        if mode == "compile" and not self.step_counts[True]:
+        mode, compiled = self.graph_mode, self.graph_mode == "compile"
+        if compiled and not self.step_counts[True]:
             mode = "eager (no one-token decode step to compile)"
-        return {"graphs": mode, "graph_captures": 0, "graph_replays": 0,
-                "graph_eager_steps": self.step_counts[False] if self.graph_mode == "compile" else 0}
+        # compile mode: "replays" are the steps that ran compiled
+        return {"graphs": mode, "graph_captures": 0, "graph_replays": self.step_counts[True] if compiled else 0,
+                "graph_eager_steps": self.step_counts[False] if compiled else 0, "graph_capture_s": 0.0}
 
     def _check_finite(self, logits: torch.Tensor) -> None:
         if bool(logits.isfinite().all()):

@@ -42,7 +42,7 @@ class ExperimentConfig:
     max_repeats: int = 0                  # > repeats: more rounds until every speedup CI is within ci_target
     ci_target: float = 0.05               # relative half-width of the speedup CI that ends the extra rounds
     time_budget_s: float = 0.0            # > 0: no extra round starts once the job has run this long
-    warmup: int = 1                       # warm-up runs per arm, a few tokens each (excluded)
+    warmup: int = 1                       # warm-up runs per arm of the whole workload (excluded)
     grid: dict[str, list] = field(default_factory=dict)  # workload field -> values, one point each
     recorder: bool = True                 # False: time the runs with no hooks at all
     ttft_slo_ms: float | None = None      # goodput: requests meeting every SLO given

@@ -1,6 +1,7 @@
 """An experiment: the same workload through several arms, interleaved, in one process.
 
-For each grid point, warm-up runs first (excluded), then rounds; in each round every arm runs once,
+For each grid point, warm-up runs first (excluded: the whole workload, so that every shape a round
+meets has had its kernels compiled and its product paths timed), then rounds; in each round every arm runs once,
 the order alternating (A B, B A, ...) so that slow drift of a shared machine falls on every arm
 alike. A speedup is baseline time / arm time within one round; its geometric mean and t-interval
 over rounds (ablate.analysis.stats) are reported beside the analytic model's prediction.
@@ -52,8 +53,6 @@ from ablate.measure.metrics import goodput, ttft_slo_attainment
 from ablate.model.llama import LlamaModel
 from ablate.report.declared import Declarations
 from ablate.workload.requests import WorkloadConfig, make_requests
-
-WARMUP_TOKENS = 8
 
 
 @dataclass
@@ -144,8 +143,6 @@ def run_experiment(exp: ExperimentConfig, arms: list[Arm], model_loader: Callabl
         bar.update()
         model = model_for(arm)
         requests = make_requests(wl, model.config.vocab_size, tokenizer_for(model, wl), model.config.max_seq_len)
-        if warmup:   # the same prompts, a few tokens each, is enough to warm up
-            requests = [replace(r, max_new_tokens=min(r.max_new_tokens, WARMUP_TOKENS)) for r in requests]
         if arm.name in failed:
             status = "skipped" if arm.name in skipped else "failed"
             return ArmRun({"status": status, "status_detail": failed[arm.name]}, pd.DataFrame(), [])

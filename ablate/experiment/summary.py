@@ -23,6 +23,10 @@ MEDIAN_COLUMNS = (
     "kv_util_at_peak", "queue_p50_ms", "queue_p99_ms", "goodput_req_s", "goodput_ttft_req_s", "ttft_slo_attained",
     "seqs_admitted_max", "seqs_admitted_mean", "seqs_admitted_while_queued", "preemptions", "kv_bytes_per_token",
     "baseline_agreement", "token_agreement", "perplexity", "ppl_ratio")
+# counts over the timed rounds, summed: tuning inside them (Triton compiles, product-path timings, graph
+# captures and their seconds) and how the decode steps ran (engine.graphs)
+SUMMED_COLUMNS = ("kernel_compiles", "path_timings", "engine.graph_captures", "engine.graph_capture_s",
+                  "engine.graph_replays", "engine.graph_eager_steps")
 # an arm's status over its rounds: the worst one counts (noisy: too few rounds on an uncontended CPU;
 # degraded: lost quality, ablate.experiment.quality_guard; skipped: an outside engine not installed)
 STATUS_ORDER = ("ok", "noisy", "degraded", "diverged", "failed", "skipped")
@@ -96,8 +100,12 @@ def summarise_arms(runs: pd.DataFrame, point_keys: list[str], baseline: str,
             for col in MEDIAN_COLUMNS:
                 if col in measured and pd.api.types.is_numeric_dtype(measured[col]):
                     row[col] = float(measured[col].median())
-            if "kernel_compiles" in measured:                            # in the timed rounds
-                row["kernel_compiles"] = int(measured["kernel_compiles"].fillna(0).sum())
+            for col in SUMMED_COLUMNS:                                   # over the timed rounds
+                if col in measured:
+                    row[col] = measured[col].fillna(0).sum()
+            modes = measured["engine.graphs"].dropna() if "engine.graphs" in measured else ()
+            if len(modes):
+                row["engine.graphs"] = modes.iloc[-1]                    # the last round's mode
             if "dtype" in measured:
                 row["dtype"] = measured["dtype"].iloc[0]                 # the arm's resolved model.dtype
             if "finish_order" in measured:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ablate.analysis.analytic import CostModel
 from ablate.api.kv_cache import KVCache
@@ -40,7 +41,13 @@ class StepRecord:
 
 
 class StepHook:
-    """What the engine tells its observers. All methods are optional no-ops."""
+    """What the engine tells its observers. All methods are optional no-ops.
+
+    times_device_work: the hook needs each step's end time to include the step's device work, so the
+    engine waits for the device before reading the clock (a host sync per step); otherwise the clock
+    is read at once (a step that emits tokens has waited for them anyway)."""
+
+    times_device_work: ClassVar[bool] = False
 
     def on_arrival(self, seq: Sequence, at: float) -> None: ...
     def on_step_start(self, batch: Batch, at: float) -> None: ...
@@ -49,6 +56,8 @@ class StepHook:
 
 
 class Recorder(StepHook):
+    times_device_work = True      # per-step times (TPOT, ITL, decode step time)
+
     def __init__(self, kv_cache: KVCache, cost_model: CostModel | None = None) -> None:
         self.kv_cache = kv_cache
         self.cost_model = cost_model

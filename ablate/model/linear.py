@@ -77,6 +77,7 @@ ROW_CLASSES = (1, 16, 128)       # upper bounds: 1 row, 2-16, 17-128, more
 MAX_TIMED_LAYERS = 64            # the most layers of one shape a path is timed over
 STREAMED_CLASS = 1               # row classes up to this one (<= 16 rows) are bound by reading W
 _live: weakref.WeakSet[Linear] = weakref.WeakSet()    # every Linear alive: the layers a choice is timed on
+_timings = [0]                   # _time_paths calls so far (path_timings)
 
 
 def row_class(rows: int) -> int:
@@ -218,9 +219,15 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
+def path_timings() -> int:
+    """Product-path timings run so far in this process: a run that times one has the timing in its time."""
+    return _timings[0]
+
+
 def _time_paths(layers: list[Linear], x: torch.Tensor) -> tuple[str, float]:
     """The fastest path for `x` through `layers`, and its time: MKL, oneDNN, or for one fp32 row the
     native kernel. A losing oneDNN or native kernel gives back the copies packed for its timing."""
+    _timings[0] += 1
     packed_before = {id(m) for m in layers if m._packed is not None}
     seconds = {MKL: _median_seconds(lambda: [F.linear(x, m.weight, m.bias) for m in layers]),
                ONEDNN: _median_seconds(lambda: [m._onednn(x) for m in layers])}

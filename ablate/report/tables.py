@@ -197,7 +197,8 @@ def kv_table(frame: pd.DataFrame, point_keys: list[str]) -> pd.DataFrame | None:
 def summary_notes(summary: pd.DataFrame, point_keys: list[str]) -> list[str]:
     """One line for each thing a reader of the summary must know: an arm that is not ok and why, an arm
     some of whose rounds ran while other work took the CPU, one whose times varied more than NOISY_CV
-    across rounds, one with compilation in its time; each names its grid point by `point_keys`."""
+    across rounds, one with tuning or capture in its time, how an arm asking for engine.graphs ran its
+    decode steps; each names its grid point by `point_keys`."""
     notes = []
     for _, r in summary.iterrows():
         where = " ".join(f"{k}={r[k]}" for k in point_keys)
@@ -211,8 +212,33 @@ def summary_notes(summary: pd.DataFrame, point_keys: list[str]) -> list[str]:
         if bool(r.get("unstable", False)) and r.get("status", "ok") == "ok":
             notes.append(f"{arm}: run times varied {r['duration_cv']:.0%} between rounds (above {NOISY_CV:.0%}): "
                          "its interval is wide")
-        compiles = r.get("kernel_compiles", 0)
-        if not _missing(compiles) and compiles > 0:
-            notes.append(f"{arm}: {int(compiles)} Triton kernel variants compiled during its timed rounds: "
-                         "its time includes compilation (raise experiment.warmup)")
+        notes += [f"{arm}: {note}" for note in (_tuning_note(r), _graphs_note(r)) if note]
     return notes
+
+
+def _count(r: pd.Series, col: str) -> float:
+    value = r.get(col, 0)
+    return 0 if _missing(value) else value
+
+
+def _tuning_note(r: pd.Series) -> str:
+    """What was tuned or captured inside the arm's timed rounds (its time includes it), or ""."""
+    tuned = [f"{int(n)} {what}" for n, what in ((_count(r, "kernel_compiles"), "Triton kernel variants compiled"),
+                                                (_count(r, "path_timings"), "CPU product paths timed")) if n > 0]
+    captured = ([f"{int(r['engine.graph_captures'])} CUDA graphs captured ({_count(r, 'engine.graph_capture_s'):.3f}"
+                 " s: every round builds its arm afresh)"] if _count(r, "engine.graph_captures") > 0 else [])
+    if not tuned + captured:
+        return ""
+    return "its timed rounds include " + ", ".join(tuned + captured) + (" (raise experiment.warmup)" if tuned else "")
+
+
+def _graphs_note(r: pd.Series) -> str:
+    """How the decode steps of an arm that asked for engine.graphs ran, or "" for one that did not."""
+    mode = r.get("engine.graphs")
+    if not isinstance(mode, str) or mode == "eager":
+        return ""
+    if mode.startswith("eager"):
+        return f"engine.graphs asked for, decode steps ran {mode}"
+    how = "replayed from CUDA graphs" if mode == "cuda-graphs" else "ran compiled (engine.graphs on a CPU)"
+    return (f"{int(_count(r, 'engine.graph_replays'))} steps {how}, {int(_count(r, 'engine.graph_eager_steps'))} "
+            "eagerly (prompts, drafts)")

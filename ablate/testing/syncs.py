@@ -22,13 +22,23 @@ from ablate.api.step import Batch
 from ablate.measure.recorder import StepHook
 
 # calls that return host values computed on the device, or whose output size depends on them
+# (Tensor.numpy is not one: on a GPU tensor it raises, and the CPU's numpy product path calls it)
 SYNCING = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
            torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.cpu,
-           torch.Tensor.numpy, torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique,
+           torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique,
            torch.equal, torch.allclose}
 SIZED_BY_VALUES = {torch.repeat_interleave, torch.Tensor.repeat_interleave}   # unless output_size is given
+# tensors made from host data: each a host-to-device copy on a GPU. One given a device object is made in
+# pageable memory and copied by a blocking call: a sync (api.device_tensor stages it in pinned memory)
+FROM_HOST = {torch.tensor, torch.as_tensor}
 
-MAX_SYNCS_PER_DECODE_STEP = 4    # the clock at the step's start and end, the sampled tokens, one spare
+# the sampled tokens, and the step's end clock when a hook times the device work (the recorder) or a
+# decoding plugin's clock timing its own phases (speculative: the verify pass)
+MAX_SYNCS_PER_DECODE_STEP = 2
+# the runner's packed inputs (one copy), the cache's plan (write index, rows or block tables), one spare;
+# a drafter that runs a model makes as many again per draft token (MAX_HOST_COPIES_PER_DRAFT)
+MAX_HOST_COPIES_PER_DECODE_STEP = 6
+MAX_HOST_COPIES_PER_DRAFT = 4
 DRAFT_K = 3
 # every built-in plugin in at least one arm; name -> (arm spec, extra syncs a decode step may make):
 # a drafter that runs a model draws each draft token from the last one's logits on the host (the
@@ -61,6 +71,8 @@ class StepSyncs:
     total: int = 0                                     # syncs from this step's start to the next's
     per_layer: Counter = field(default_factory=Counter)   # layer -> syncs inside it
     calls: Counter = field(default_factory=Counter)       # which calls
+    host_copies: int = 0                                  # tensors made from host data (FROM_HOST)
+    host_copies_per_layer: Counter = field(default_factory=Counter)
 
 
 class SyncCounter(TorchFunctionMode, StepHook):
@@ -90,11 +102,22 @@ class SyncCounter(TorchFunctionMode, StepHook):
             if self.layer is not None:
                 step.per_layer[self.layer] += 1
 
+    def copied(self) -> None:
+        if self.steps:
+            step = self.steps[-1]
+            step.host_copies += 1
+            if self.layer is not None:
+                step.host_copies_per_layer[self.layer] += 1
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in SYNCING or (func in SIZED_BY_VALUES and "output_size" not in kwargs
                                and any(isinstance(a, torch.Tensor) for a in args[1:2])):
             self.count(getattr(func, "__name__", str(func)))
+        elif func in FROM_HOST and args and not isinstance(args[0], torch.Tensor):
+            self.copied()
+            if isinstance(kwargs.get("device"), torch.device) and not kwargs.get("pin_memory"):
+                self.count("pageable host-to-device copy")
         return func(*args, **kwargs)
 
     def __enter__(self):
@@ -126,9 +149,13 @@ def count_syncs(built, requests: list[Request]) -> list[StepSyncs]:
 
 def summary(steps: list[StepSyncs]) -> dict[str, float]:
     """The most syncs of any decode step, and of any layer but the first of a decode step (a sync
-    in every layer; the first may compute what the step's other layers reuse)."""
+    in every layer; the first may compute what the step's other layers reuse); the same for the
+    tensors made from host data (host-to-device copies on a GPU)."""
     decode = [s for s in steps if s.decode]
     return {"decode_steps": len(decode),
             "max_per_step": max((s.total for s in decode), default=0),
             "max_per_layer": max((n for s in decode for layer, n in s.per_layer.items() if layer > 0), default=0),
-            "calls": sum((s.calls for s in decode), Counter())}
+            "calls": sum((s.calls for s in decode), Counter()),
+            "max_host_copies_per_step": max((s.host_copies for s in decode), default=0),
+            "max_host_copies_per_layer": max((n for s in decode for layer, n in s.host_copies_per_layer.items()
+                                              if layer > 0), default=0)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ablate.api import ModelSession, Sampler, Sequence, probabilities
+from ablate.api import ModelSession, Sampler, Sequence, greedy as greedy_tokens, probabilities
 from ablate_decoding.drafter import Drafter
 
 
@@ -32,7 +32,7 @@ class ModelDrafter(Drafter):
             logits, has_room = self.session.next_logits([seqs[i] for i in active], [tokens[i] for i in active])
             active = [i for i, ok in zip(active, has_room) if ok]     # no room: it keeps the drafts it has
             greedy = all(seqs[i].request.sampling.is_greedy for i in active)
-            argmax = logits.argmax(-1).tolist() if greedy else None    # one sync for the batch
+            argmax = greedy_tokens(logits) if greedy else None         # one sync for the batch
             for row, i in enumerate(active):
                 seq = seqs[i]
                 if greedy:

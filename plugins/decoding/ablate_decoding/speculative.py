@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ablate.api import (Batch, BuildContext, Decoding, Executor, PluginConfig, Sampler, Sequence, Stat, StatFigure,
-                        now, probabilities)
+                        greedy as greedy_tokens, now, probabilities)
 from ablate_decoding.acceptance import accept_drafts, accept_greedy
 from ablate_decoding.draft_models import early_exit_layers, layer_skip_layers, layer_subset, load_draft_model
 from ablate_decoding.drafter import Drafter
@@ -148,20 +148,21 @@ class Speculative(Decoding):
         room = [min(batch.num_lookahead_tokens[i], seq.max_num_tokens - 1 - seq.num_tokens)
                 for i, seq in zip(drafting, seqs)]
 
-        # host clocks around drafting: the engine's clock synchronised just before the step, and a
-        # drafter's tokens come back as host lists, so the device is idle at both points already (a
+        # host clocks around drafting: the last step ended waiting for its tokens, and a drafter's
+        # tokens come back as host lists, so the device is idle at both points already (a
         # synchronisation there would cost a device round trip for nothing)
         start = time.perf_counter()
         drafts, draft_probs = self.drafter.propose(seqs, room) if seqs else ([], [])
         drafted = time.perf_counter()
         out = executor.forward(batch, {s.seq_id: d for s, d in zip(seqs, drafts) if d})   # one target pass
-        verified = now(executor.device)                 # the verify pass finished: one synchronisation
+        greedy = any(s.request.sampling.is_greedy for s in batch.seqs)
+        argmax = greedy_tokens(out.logits) if greedy else None             # one sync for the batch
+        # the verify pass finished: the argmax waited for it, or the clock does
+        verified = time.perf_counter() if greedy else now(executor.device)
         if seqs:
             self.counters.record_step(drafted - start, verified - drafted)
 
         slot_of = {i: j for j, i in enumerate(drafting)}           # batch index -> index in `seqs`
-        greedy = any(s.request.sampling.is_greedy for s in batch.seqs)
-        argmax = out.logits.argmax(-1).tolist() if greedy else None        # one sync for the batch
         starts = out.starts
         emitted: dict[int, list[int]] = {}
         for i, (seq, emits) in enumerate(zip(batch.seqs, batch.emits)):

@@ -10,6 +10,8 @@ Sections, in this order (the one whose figures matter most right after the ceili
   decode_mbu          decode MBU of eager vs CUDA-graph decode steps at batch 1 and 16
   kernel_correctness  the Triton kernels against the fp32 references: head dims 64/128/256, GQA groups
                       1/3/4/9, ragged batches, bf16 and fp16
+  gpu_tests           pytest over the tests that need CUDA (graph capture with host syncs made errors, the
+                      kernels' launchers) and the graph-replay and host-sync tests (needs pytest's wheels)
   kernel_timing       flash prefill vs each SDPA backend (4k/8k/16k, d64/d128, causal bf16, TFLOP/s) and
                       paged decode vs SDPA over the same tokens (benchmarks/kernels_gpu.py's functions)
   experiments         ch08_kv_cache, ch12_flash and a 4-request ablation through `python -m ablate`
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("preflight", "environment", "decode_mbu", "kernel_correctness", "kernel_timing", "experiments")
+SECTIONS = ("preflight", "environment", "decode_mbu", "kernel_correctness", "gpu_tests", "kernel_timing", "experiments")
 TERM_GRACE_S = 3.0      # the worker's group gets SIGTERM this long before the deadline, SIGKILL at it
 POLL_S = 0.5            # how often the supervisor copies the sections' progress into gpu_check.json
 PR_SET_PDEATHSIG = 1    # prctl(2): the signal a process gets when its parent dies (Linux)

@@ -223,6 +223,49 @@ def kernel_timing(ctx) -> dict:
 MIN_CLI_S = 20     # a CLI run given less than this before the deadline cannot load a model: not started
 
 
+# tests that need CUDA (graph capture under sync-debug mode, the kernels' launchers), which no CPU run of
+# the suite reaches, with the graph-replay and host-sync tests beside them
+GPU_TESTS = ("kernels/tests/test_runtime.py", "tests/test_graphs.py", "tests/test_host_syncs.py")
+GPU_TESTS_S = 240
+
+
+def gpu_tests(ctx) -> dict:
+    """pytest over GPU_TESTS (not slow): counts from its JUnit XML; on a GPU a CUDA-only test that skipped
+    makes the section partial."""
+    import importlib.util
+    import xml.etree.ElementTree as ET
+    if importlib.util.find_spec("pytest") is None:
+        return {"status": "skipped", "headline": "pytest is not installed here: carry its wheels (pytest, pluggy, "
+                                                 "iniconfig) with the others"}
+    xml = ctx.out / "logs" / "gpu_tests.xml"
+    xml.parent.mkdir(parents=True, exist_ok=True)
+    files = GPU_TESTS[:1] if ctx.dry else GPU_TESTS     # a dry run: the section's mechanics (CI runs the rest)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", f"--junitxml={xml}",
+           *files]
+    try:
+        proc = ctx.run_process(cmd, GPU_TESTS_S, cwd=REPO, env=ctx.child_env(), capture_output=True, text=True)
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
+    except subprocess.TimeoutExpired:
+        tail = f"timed out after {min(GPU_TESTS_S, ctx.remaining()):.0f} s"
+    (ctx.out / "logs" / "gpu_tests.log").write_text(tail)
+    if not xml.exists():
+        return {"status": "failed", "headline": f"pytest wrote no report: {tail.splitlines()[-1] if tail else ''}"}
+    cases = list(ET.parse(xml).getroot().iter("testcase"))
+    outcome = {"passed": 0, "failed": 0, "skipped": 0}
+    cuda_skipped = []
+    for case in cases:
+        kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        outcome["failed" if kind in ("failure", "error") else kind] += 1
+        if kind == "skipped" and "CUDA" in (case.find("skipped").get("message") or ""):
+            cuda_skipped.append(case.get("name"))
+    status = ("failed" if outcome["failed"] or not cases else
+              "partial" if cuda_skipped and not ctx.dry else "ok")
+    return {**outcome, "cuda_only_skipped": cuda_skipped, "status": status,
+            "headline": f"{outcome['passed']} passed, {outcome['failed']} failed, {outcome['skipped']} skipped"
+                        + (f" ({len(cuda_skipped)} CUDA-only skipped{': a dry run' if ctx.dry else ''})"
+                           if cuda_skipped else "")}
+
+
 def run_cli(ctx, name: str, overrides: list[str], timeout: float) -> dict:
     """`python -m ablate` in a subprocess, for at most `timeout` s and never past the deadline; its
     summary.csv read back (None when the run wrote none) and each arm's state (`arm_states`)."""

@@ -21,7 +21,8 @@ from ablate import preflight
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
-SECTIONS = ("preflight", "environment", "decode_mbu", "kernel_correctness", "kernel_timing", "experiments")
+SECTIONS = ("preflight", "environment", "decode_mbu", "kernel_correctness", "gpu_tests", "kernel_timing",
+            "experiments")
 
 
 def load(name: str, path: Path):
@@ -285,8 +286,10 @@ def test_the_dry_run_passes_on_the_cpu(tmp_path):
     assert tuple(sections) == SECTIONS, run.stdout[-3000:] + run.stderr[-3000:]
     status = {name: sec["status"] for name, sec in sections.items()}
     errors = {name: sec.get("error") or sec.get("headline") for name, sec in sections.items()}
-    for name in ("preflight", "environment", "kernel_correctness", "experiments"):
+    for name in ("preflight", "environment", "kernel_correctness", "gpu_tests", "experiments"):
         assert status[name] == "ok", errors[name]
+    tests = sections["gpu_tests"]["result"]
+    assert tests["passed"] > 0 and tests["failed"] == 0 and tests["cuda_only_skipped"], tests   # no CUDA here
     for name in ("kernel_timing", "decode_mbu"):        # decode timing needs CUDA; the graphs arm may be refused
         assert status[name] in ("ok", "partial"), errors[name]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -92,7 +92,7 @@ def main() -> int:
         print(f"preflight (optional): {line}", file=sys.stderr)
     if problems:
         print(f"preflight: {len(problems)} of {len(REQUIRED)} required imports fail; offline, carry the wheels "
-              "named above (README: Installing on a machine without a registry)", file=sys.stderr)
+              "named above (docs/install.md: installing on a machine without a registry)", file=sys.stderr)
         return 1
     print(f"preflight: all {len(REQUIRED)} required imports work (python {sys.version.split()[0]}, {sys.executable})")
     return 0

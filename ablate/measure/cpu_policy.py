@@ -13,7 +13,7 @@ one with fewer: speedups come out wrong, not just slow. So:
           when they wait (OMP_WAIT_POLICY=PASSIVE), so a run slows in proportion to the share it gets.
 
 Threads are never pinned to CPUs: on a shared machine a pinned thread cannot leave a CPU a neighbour
-holds (benchmarks/contention.py measured binding on the quiet path too; README, "A busy machine").
+holds (benchmarks/contention.py measured binding on the quiet path too; docs/busy-machine.md).
 
 OpenMP reads its wait policy once, when torch loads it: `prepare()` runs before that (the CLI's first
 import, ablate/cli.py); the thread count is set per job (`threads_for_job`). What the user set wins:

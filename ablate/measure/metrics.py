@@ -1,4 +1,4 @@
-"""The metrics of one run, computed from the recorder exactly as the README defines them.
+"""The metrics of one run, computed from the recorder exactly as docs/what-is-measured.md defines them.
 
 TTFT = first token time - arrival; TPOT = (E2E - TTFT) / (output tokens - 1), only for > 1 token;
 ITL = gaps between a request's consecutive emissions (a multi-token emission is one);

@@ -3,7 +3,7 @@
 Per verification (one sequence in one target pass) with d drafts proposed and a accepted, the
 positions 1..a are accepted, position a+1 (if a < d) is rejected, the rest are never tested.
 
-  acceptance_rate = accepted / proposed                       (the README's definition)
+  acceptance_rate = accepted / proposed                       (docs/speculative.md's definition)
   alpha           = accepted / tested, tested = accepted + rejections: the maximum-likelihood
                     probability that one draft token is accepted, if acceptances were independent
                     and equally likely at every position (the alpha of the speedup formula)

@@ -213,3 +213,30 @@ def test_engine_graphs_is_an_option_of_the_root_config(compose_config, registry,
     from ablate.experiment.config import to_run_config
     assert to_run_config(compose_config(tmp_path), registry).engine.graphs is False
     assert to_run_config(compose_config(tmp_path, "engine.graphs=true"), registry).engine.graphs is True
+
+
+def test_tuning_inside_timed_rounds_and_each_arms_decode_mode_are_noted():
+    """Summed over the timed rounds: compiles, product-path timings and graph captures are noted as
+    time the arm's figure includes; an arm that asked for graphs says how its decode steps ran."""
+    import pandas as pd
+
+    from ablate.experiment.summary import summarise_arms
+    from ablate.report.tables import summary_notes
+
+    def rows(arm, seconds, **cols):
+        return [{"arm": arm, "label": arm, "repeat": r, "duration_s": seconds, "status": "ok", **cols} for r in range(3)]
+    runs = pd.DataFrame(
+        rows("base", 2.0, **{"engine.graphs": "eager"})
+        + rows("timed", 1.0, path_timings=1, kernel_compiles=0, **{"engine.graphs": "eager"})
+        + rows("graphed", 1.0, **{"engine.graphs": "cuda-graphs", "engine.graph_captures": 2,
+                                  "engine.graph_capture_s": 0.01, "engine.graph_replays": 40,
+                                  "engine.graph_eager_steps": 3})
+        + rows("refused", 1.0, **{"engine.graphs": "eager (attention=x does not declare graph_safe)"}))
+    summary = summarise_arms(runs, [], "base", {})
+    notes = summary_notes(summary, [])
+    assert [n for n in notes if n.startswith("timed:")] == [
+        "timed: its timed rounds include 3 CPU product paths timed (raise experiment.warmup)"]
+    assert "graphed: its timed rounds include 6 CUDA graphs captured (0.030 s: every round builds its arm afresh)" in notes
+    assert "graphed: 120 steps replayed from CUDA graphs, 9 eagerly (prompts, drafts)" in notes
+    assert "refused: engine.graphs asked for, decode steps ran eager (attention=x does not declare graph_safe)" in notes
+    assert not [n for n in notes if n.startswith("base:")]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ablate.api.kv import KVSpec, KVView
-from ablate.api.plugin import Plugin, PluginConfig, PluginError, Slot, blame
+from ablate.api.plugin import Plugin, PluginConfig, PluginError, Slot, blame, final
 from ablate.api.sequence import Sequence
 from ablate.api.step import StepInputs, device_tensor
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class KVCache(Plugin):
     """Holds each running sequence's keys and values.
 
-    Called by the core (final: a plugin does not override these):
+    Called by the core (final: a class that overrides one is refused when it is created):
       allocate(seq, n, lookahead) -> bool  scheduler helpers: room for the sequence's first
                                            computed + n + lookahead tokens; the first call admits it
       begin_step(step)                     runner: before a forward pass
@@ -61,6 +61,7 @@ class KVCache(Plugin):
         self._committed: dict[int, int] = {}   # seq_id -> tokens whose K/V is final
 
     # -- called by the core ------------------------------------------------------------------------
+    @final
     def allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead_tokens: int = 0) -> bool:
         """Room for `seq`'s first num_computed + num_new + num_lookahead tokens; False: none, nothing changed.
 
@@ -84,6 +85,7 @@ class KVCache(Plugin):
         self._committed.setdefault(seq.seq_id, seq.num_computed_tokens)
         return True
 
+    @final
     def begin_step(self, step: StepInputs) -> StepInputs:
         """Runner, once per forward pass: prepare(), and the keys each sequence's view will hold."""
         kv_lens = self.prepare(step)
@@ -95,6 +97,7 @@ class KVCache(Plugin):
         step.kv_lens_t = device_tensor(step.kv_lens, torch.int32, step.input_ids.device)
         return step
 
+    @final
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """Engine, after every step that fed `seq`: its first `num_tokens` tokens are final."""
         room = self._room.get(seq.seq_id)
@@ -106,6 +109,7 @@ class KVCache(Plugin):
         self._committed[seq.seq_id] = num_tokens
         self._room[seq.seq_id] = num_tokens
 
+    @final
     def release(self, seq: Sequence) -> None:
         """Scheduler helpers: the sequence finished or was preempted; frees what it holds."""
         if self._room.pop(seq.seq_id, None) is None:
@@ -114,14 +118,17 @@ class KVCache(Plugin):
         with blame(self, "free"):
             self.free(seq)
 
+    @final
     def room(self, seq: Sequence) -> int:
         """Tokens allocated for `seq` (0: it holds nothing)."""
         return self._room.get(seq.seq_id, 0)
 
+    @final
     def num_committed(self) -> dict[int, int]:
         """seq_id -> tokens committed, for every sequence the cache holds (a copy)."""
         return dict(self._committed)
 
+    @final
     def room_holders(self) -> list[int]:
         """The sequences the core allocated room for and has not released."""
         return list(self._room)

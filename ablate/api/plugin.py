@@ -113,8 +113,24 @@ class StatFigure:
     group_by: str = ""             # a text stat whose values split the lines (e.g. the drafter)
 
 
+def final(method):
+    """Marks a slot base class's method that the core calls and a plugin must not override: a class
+    that defines it is refused when it is created (Plugin.__init_subclass__), naming the method."""
+    method.__ablate_final__ = True
+    return method
+
+
 class Plugin:
     """Base of every slot's plugin class (ablate.api.slots). Declarations are class attributes."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in cls.__mro__[1:]:
+            for name, attr in vars(base).items():
+                if getattr(attr, "__ablate_final__", False) and name in vars(cls):
+                    raise TypeError(f"{cls.__module__}.{cls.__qualname__} overrides {base.__name__}.{name}, which "
+                                    f"the core calls and a plugin must not override; implement the methods "
+                                    f"{base.__name__} leaves to plugins instead (see its docstring)")
 
     slot: ClassVar[Slot]
     name: ClassVar[str]

@@ -13,7 +13,7 @@
 #                 torch, triton, pandas, setuptools, ... must come from PYTHON's own packages
 #   ABLATE_EXTRAS outside engines to install too, comma-separated: hf (transformers), llamacpp
 #                 (llama-cpp-python, compiled from source: about 5 minutes on 2 cores); an arm whose
-#                 engine is missing is skipped in one line (ablate/engines)
+#                 engine is missing is skipped in one line (ablate/outside)
 #   ABLATE_HOST_PACKAGES
 #                 1: the new .venv sees PYTHON's packages (as below) whatever its torch; 0: never;
 #                 unset: when PYTHON imports a torch that sees a GPU. Read only when .venv is created

@@ -36,7 +36,7 @@ def list_plugins() -> None:
 
 def outside_engines() -> dict[str, str]:
     """Each outside engine of the `ablate.engines` entry points: ready, or why not (what to install)."""
-    from ablate.engines.registry import engine_names, load_engine
+    from ablate.outside.discovery import engine_names, load_engine
 
     lines = {}
     for name in engine_names():

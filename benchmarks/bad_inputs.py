@@ -553,7 +553,7 @@ def cache_plugin(name: str, body: str = "") -> str:
 
 
 SEGV_ENGINE = """import os, signal
-from ablate.engines.contract import OutsideEngine
+from ablate.outside.contract import OutsideEngine
 
 
 class Crashes(OutsideEngine):

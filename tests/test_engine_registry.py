@@ -1,4 +1,4 @@
-"""Outside engines found through entry points (ablate/engines/registry.py): a package that leaves at
+"""Outside engines found through entry points (ablate/outside/discovery.py): a package that leaves at
 import, or two packages declaring one engine name, are refused naming the package, never a silent exit
 or a silent pick."""
 from __future__ import annotations
@@ -7,12 +7,12 @@ from importlib.metadata import entry_points
 
 import pytest
 
-import ablate.engines.registry as engines
+import ablate.outside.discovery as engines
 from ablate.cli import outside_engines
-from ablate.engines.hf import HFGenerate
+from ablate.outside.hf import HFGenerate
 from fake_distributions import fake_distribution
 
-HF_CLASS = "ablate.engines.hf:HFGenerate"
+HF_CLASS = "ablate.outside.hf:HFGenerate"
 
 
 def with_distributions(monkeypatch, *dists) -> None:
@@ -43,7 +43,7 @@ def test_two_packages_declaring_one_engine_name_are_refused_naming_both(tmp_path
     rival = fake_distribution(tmp_path, "other-hf", "3.0", {"hf": "other_hf:Generate"}, group=engines.GROUP)
     with_distributions(monkeypatch, rival)
     with pytest.raises(ValueError, match=r"^arm 'h': engine 'hf' is ambiguous: declared by "
-                                         r"ablate\.engines\.hf:HFGenerate from ablate 0\.1\.0 and "
+                                         r"ablate\.outside\.hf:HFGenerate from ablate 0\.1\.0 and "
                                          r"other_hf:Generate from other-hf 3\.0; uninstall all but one$"):
         engines.load_engine("arm 'h'", "hf")
     assert engines.engine_names().count("hf") == 1

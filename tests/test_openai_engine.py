@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from ablate.api.sequence import Request
-from ablate.engines.contract import OutsideEngineError
-from ablate.engines.openai import OpenAICompatible
-from ablate.engines.timeline import Timeline
+from ablate.outside.contract import OutsideEngineError
+from ablate.outside.openai import OpenAICompatible
+from ablate.outside.timeline import Timeline
 from ablate.measure.metrics import summarise
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel

@@ -26,8 +26,8 @@ ENGINES = '''
 import os
 import time
 
-from ablate.engines.batches import OneBatchAtATime
-from ablate.engines.contract import Option
+from ablate.outside.batches import OneBatchAtATime
+from ablate.outside.contract import Option
 
 
 class Scripted(OneBatchAtATime):

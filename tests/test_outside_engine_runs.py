@@ -15,7 +15,7 @@ import pytest
 
 from ablate.api.context import EngineConfig
 from ablate.engine.arm import baseline_configs, resolve_arm
-from ablate.engines.hf import HFGenerate
+from ablate.outside.hf import HFGenerate
 from ablate.experiment.config import ExperimentConfig
 from ablate.experiment.quality_guard import QualityConfig
 from ablate.experiment.run import run_experiment
@@ -56,6 +56,7 @@ def test_an_outside_engine_that_is_not_installed_is_skipped_and_the_baseline_mea
 
 
 @needs_hf
+@pytest.mark.slow      # a worker process importing transformers (~8 s); engine=hf in-process: tests/test_outside_engines.py
 def test_hf_is_measured_as_an_exact_arm_beside_ablates(registry, tiny_model):
     result = experiment(registry, tiny_model, {"ablate": {"kv_cache": "contiguous", "attention": "sdpa"},
                                                "hf": {"engine": "hf"}}, quality=True)
@@ -109,7 +110,7 @@ def source_gguf(smollm2):
 
 @pytest.fixture(scope="module")
 def f32_gguf(gguf_cache, source_gguf):
-    from ablate.engines.gguf_rewrite import rewritten_gguf
+    from ablate.outside.gguf_rewrite import rewritten_gguf
 
     path = rewritten_gguf(source_gguf, "f32")       # written once for the module
     assert path.is_relative_to(gguf_cache) and path.exists()
@@ -147,7 +148,7 @@ def test_the_f32_rewrite_holds_the_shipped_files_values(source_gguf, f32_gguf):
 def test_the_f16_rewrite_keeps_names_and_metadata_and_norms_in_f32(gguf_cache, source_gguf):
     import gguf
 
-    from ablate.engines.gguf_rewrite import rewritten_gguf
+    from ablate.outside.gguf_rewrite import rewritten_gguf
 
     path = rewritten_gguf(source_gguf, "f16")
     assert path.is_relative_to(gguf_cache) and path.name.endswith("-f16.gguf")
@@ -172,8 +173,8 @@ def test_llamacpp_f32_starts_with_ablates_greedy_tokens(smollm2, f32_gguf, regis
     and one request at a time."""
     from ablate.api.sequence import Request
     from ablate.engine.arm import build_arm
-    from ablate.engines.llamacpp import LlamaCpp
-    from ablate.engines.timeline import Timeline
+    from ablate.outside.llamacpp import LlamaCpp
+    from ablate.outside.timeline import Timeline
     from ablate.workload.text import text_prompts
 
     model, tokenizer = smollm2

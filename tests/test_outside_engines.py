@@ -1,4 +1,4 @@
-"""Outside engines (ablate.engines): transformers' generate on ablate's own weights gives ablate's greedy
+"""Outside engines (ablate.outside): transformers' generate on ablate's own weights gives ablate's greedy
 tokens and a consistent timeline; the one-batch-at-a-time driver keeps arrivals, batch limits and closed
 loops and cuts what an engine emits by ablate's rule; options, the registry and arm specs refuse what
 they cannot run, naming what is allowed."""
@@ -13,11 +13,11 @@ import torch
 
 from ablate.api.sequence import Request
 from ablate.engine.arm import ArmSpec, baseline_configs, resolve_arm
-from ablate.engines.batches import OneBatchAtATime
-from ablate.engines.contract import OutsideEngineError
-from ablate.engines.hf import HFGenerate, hf_state_dict
-from ablate.engines.registry import load_engine
-from ablate.engines.timeline import Timeline
+from ablate.outside.batches import OneBatchAtATime
+from ablate.outside.contract import OutsideEngineError
+from ablate.outside.hf import HFGenerate, hf_state_dict
+from ablate.outside.discovery import load_engine
+from ablate.outside.timeline import Timeline
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
 
@@ -263,7 +263,7 @@ def test_ablate_plugins_lists_each_outside_engine_ready_or_what_it_needs(monkeyp
 
 
 def test_a_float_option_takes_a_whole_number_as_yaml_writes_it():
-    from ablate.engines.openai import OpenAICompatible
+    from ablate.outside.openai import OpenAICompatible
 
     assert OpenAICompatible.resolve_options("arm 'o'", {"timeout_s": 30})["timeout_s"] == 30
     with pytest.raises(ValueError, match="timeout_s must be a float"):

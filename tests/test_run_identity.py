@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 from ablate import results
 from ablate.engine.arm import baseline_configs, resolve_arm
 from ablate.engine.registry import discover
-from ablate.engines.hf import hf_state_dict
-from ablate.engines.hf_export import hf_config
+from ablate.outside.hf import hf_state_dict
+from ablate.outside.hf_export import hf_config
 from ablate.experiment import identity, job
 from ablate.experiment.job import run_job
 from ablate.model.config import ModelConfig, preset
@@ -122,8 +122,8 @@ def test_an_edited_third_party_plugin_and_another_engine_version_are_changes(thi
     changed = identity.what_changed(before, identity.measured_inputs(ModelConfig(), arms, registry))
     assert changed.startswith("plugin package fake-ablate-plugin changed (sources ")
     # an outside engine's package at another version
-    engine = {"engines": {"hf": {"class": "ablate.engines.hf:HFGenerate", "versions": {"transformers": "4.45.0"}}}}
-    newer = {"engines": {"hf": {"class": "ablate.engines.hf:HFGenerate", "versions": {"transformers": "4.46.0"}}}}
+    engine = {"engines": {"hf": {"class": "ablate.outside.hf:HFGenerate", "versions": {"transformers": "4.45.0"}}}}
+    newer = {"engines": {"hf": {"class": "ablate.outside.hf:HFGenerate", "versions": {"transformers": "4.46.0"}}}}
     assert "outside engine hf changed (versions" in identity.what_changed(engine, newer)
     assert identity.what_changed(None, before) is None        # a folder of older code has no record to compare
 

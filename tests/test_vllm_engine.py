@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from ablate.engines import vllm
-from ablate.engines.hf_export import hf_config, hf_directory
+from ablate.outside import vllm
+from ablate.outside.hf_export import hf_config, hf_directory
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
 
@@ -71,13 +71,13 @@ def test_the_exported_checkpoint_is_the_same_model(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get(vllm.PYTHON_ENV), reason=f"no vLLM venv: set {vllm.PYTHON_ENV} (see ablate/engines/vllm.py)")
+@pytest.mark.skipif(not os.environ.get(vllm.PYTHON_ENV), reason=f"no vLLM venv: set {vllm.PYTHON_ENV} (see ablate/outside/vllm.py)")
 def test_vllm_serves_ablates_greedy_tokens_on_the_same_weights():
     from ablate.api.context import EngineConfig
     from ablate.api.sequence import Request
     from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
     from ablate.engine.registry import default_registry
-    from ablate.engines.timeline import Timeline
+    from ablate.outside.timeline import Timeline
 
     model = LlamaModel.random(preset("tiny", d_model=128, n_heads=2, n_kv_heads=1, head_dim=64, max_seq_len=256))   # D=64: vLLM CPU kernels
     requests = [Request(i, tuple(range(5 + i, 17 + i)), 6) for i in range(3)]

@@ -13,8 +13,8 @@ from ablate.engine.engine import Engine
 from ablate.engine.registry import Registry
 from ablate.engine.runner import ModelRunner
 from ablate.engine.session import ModelRunSession
-from ablate.engines.contract import OutsideEngine
-from ablate.engines.registry import OWN_ENGINE, load_engine
+from ablate.outside.contract import OutsideEngine
+from ablate.outside.discovery import OWN_ENGINE, load_engine
 from ablate.model.llama import LlamaModel
 
 BASELINE = {Slot.MODEL: "none", Slot.KV_CACHE: "none", Slot.ATTENTION: "naive",
@@ -92,7 +92,7 @@ class Arm:
     plugins: dict[Slot, PluginConfig]
     model_overrides: dict[str, Any] = field(default_factory=dict)   # e.g. {"n_kv_heads": 1}
     engine_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {"graphs": True}
-    # an outside engine's arm (ablate.engines): its class and resolved options; its plugins are unused
+    # an outside engine's arm (ablate.outside): its class and resolved options; its plugins are unused
     outside: tuple[type[OutsideEngine], dict[str, Any]] | None = None
 
     def label(self) -> str:

@@ -39,8 +39,8 @@ from ablate.api.plugin import PluginError
 from ablate.api.sequence import Sequence
 from ablate.engine.arm import Arm
 from ablate.engine.registry import Registry
-from ablate.engines.arm_run import OutsideRuns
-from ablate.engines.contract import OutsideEngineError
+from ablate.outside.runs import OutsideRuns
+from ablate.outside.contract import OutsideEngineError
 from ablate.experiment import quality_guard as quality
 from ablate.experiment.arm_run import ArmRun, expects_baseline_tokens, run_once, with_fixed_kv_budget
 from ablate.experiment.config import ExperimentConfig

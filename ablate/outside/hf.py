@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ablate.api.sequence import Request
-from ablate.engines.batches import Emitter, OneBatchAtATime
-from ablate.engines.contract import Option
+from ablate.outside.batches import Emitter, OneBatchAtATime
+from ablate.outside.contract import Option
 from ablate.model.llama import LlamaModel
 
 PAD_ID = 0     # left padding of shorter prompts in a batch: masked out, never attended to

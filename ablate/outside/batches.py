@@ -14,8 +14,8 @@ from abc import abstractmethod
 from collections.abc import Sequence
 
 from ablate.api.sequence import Request
-from ablate.engines.contract import OutsideEngine, OutsideEngineError
-from ablate.engines.timeline import Timeline
+from ablate.outside.contract import OutsideEngine, OutsideEngineError
+from ablate.outside.timeline import Timeline
 from ablate.workload.arrivals import ArrivalQueue
 
 

@@ -12,8 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
-from ablate.engines.gguf_rewrite import cache_dir
-from ablate.engines.hf import hf_state_dict
+from ablate.outside.gguf_rewrite import cache_dir
+from ablate.outside.hf import hf_state_dict
 from ablate.model.llama import LlamaModel
 
 HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ablate.api.sequence import Request
-from ablate.engines.contract import Option, OutsideEngine, OutsideEngineError
-from ablate.engines.timeline import Timeline
+from ablate.outside.contract import Option, OutsideEngine, OutsideEngineError
+from ablate.outside.timeline import Timeline
 from ablate.model.llama import LlamaModel
 from ablate.workload.arrivals import ArrivalQueue
 

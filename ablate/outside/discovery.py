@@ -1,10 +1,10 @@
 """Outside engines are found through the entry points of group `ablate.engines`, as plugins are
-through `ablate.plugins`: `hf = "ablate.engines.hf:HFGenerate"` in a package's pyproject.toml."""
+through `ablate.plugins`: `hf = "ablate.outside.hf:HFGenerate"` in a package's pyproject.toml."""
 from __future__ import annotations
 
 from importlib.metadata import EntryPoint, entry_points
 
-from ablate.engines.contract import OutsideEngine
+from ablate.outside.contract import OutsideEngine
 
 GROUP = "ablate.engines"
 OWN_ENGINE = "ablate"        # engine.name of an arm that runs ablate's own engine
@@ -41,5 +41,5 @@ def load_engine(where: str, name: str) -> type[OutsideEngine]:
         raise ValueError(f"{where}: engine {name!r} ({_supplier(point)}) failed to load: {what}") from None
     if not (isinstance(cls, type) and issubclass(cls, OutsideEngine)) or cls.name != name:
         raise ValueError(f"{where}: engine {name!r} ({_supplier(point)}) is not an OutsideEngine subclass "
-                         f"with name = {name!r} (ablate.engines.contract)")
+                         f"with name = {name!r} (ablate.outside.contract)")
     return cls

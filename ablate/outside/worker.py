@@ -5,9 +5,9 @@ takes the experiment with it when its native code crashes: llama-cpp-python 0.3.
 right after loading on CPUs with AMX. In a worker the crash ends the worker only: its arm fails with
 the signal named (OutsideEngineError) and the other arms are measured. The worker builds the engine
 once (its loading is paid once, as before) and serves each round, timing the serving itself
-(ablate.engines.serving), so the timeline holds the engine's work and not the messages.
+(ablate.outside.serving), so the timeline holds the engine's work and not the messages.
 
-The worker is a fresh interpreter (`python -m ablate.engines.worker`) talking over two pipes: not a
+The worker is a fresh interpreter (`python -m ablate.outside.worker`) talking over two pipes: not a
 fork (torch's OpenMP threads have run in this process, and GNU OpenMP's pool does not survive a fork),
 and not multiprocessing's spawn (inside a joblib sweep worker its start method is loky's, which a
 fresh interpreter cannot set). It gets this process's sys.path first, so that an engine class this
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from ablate.api.sequence import Request
-from ablate.engines.contract import OutsideEngine, OutsideEngineError
-from ablate.engines.serving import Served, measured_serve
+from ablate.outside.contract import OutsideEngine, OutsideEngineError
+from ablate.outside.serving import Served, measured_serve
 from ablate.experiment.exit_status import describe_exit
 from ablate.model.config import ModelConfig
 from ablate.model.llama import LlamaModel
@@ -67,7 +67,7 @@ class EngineWorker:
         self.name = cls.name
         worker_in, to_worker = os.pipe()
         from_worker, worker_out = os.pipe()
-        self.process = subprocess.Popen([sys.executable, "-m", "ablate.engines.worker", str(worker_in), str(worker_out)],
+        self.process = subprocess.Popen([sys.executable, "-m", "ablate.outside.worker", str(worker_in), str(worker_out)],
                                         pass_fds=(worker_in, worker_out), stdin=subprocess.DEVNULL)
         os.close(worker_in)
         os.close(worker_out)

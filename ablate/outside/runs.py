@@ -10,9 +10,9 @@ from typing import Any
 
 from ablate.api.sequence import Request, Sequence
 from ablate.engine.arm import Arm
-from ablate.engines.contract import OutsideEngineError
-from ablate.engines.serving import InProcess
-from ablate.engines.worker import EngineWorker
+from ablate.outside.contract import OutsideEngineError
+from ablate.outside.serving import InProcess
+from ablate.outside.worker import EngineWorker
 from ablate.experiment.arm_run import ArmRun
 from ablate.measure.metrics import request_table, summarise
 from ablate.model.llama import LlamaModel

@@ -2,7 +2,7 @@
 server) that serves the workload of an experiment beside ablate's own arms.
 
 An experiment names one in an arm, `{engine: {name: hf, cache: static}}`; the class is found through
-the `ablate.engines` entry points (ablate.engines.registry), so a user's engine is added the way a
+the `ablate.engines` entry points (ablate.outside.discovery), so a user's engine is added the way a
 plugin is. It gets the experiment's model (its weights, when it can run them: the same numbers, so
 that ablate's greedy tokens are the reference) and its batch limit, and serves the requests,
 reporting when each one arrived, was scheduled, emitted tokens and finished (a Timeline).
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ablate.api.sequence import Request
-from ablate.engines.timeline import Timeline
+from ablate.outside.timeline import Timeline
 from ablate.model.llama import LlamaModel
 
 
@@ -45,7 +45,7 @@ class OutsideEngine(ABC):
     requires: ClassVar[tuple[str, ...]] = ()     # modules it imports: one missing means the arm is skipped
     extra: ClassVar[str] = ""                    # the pip extra that installs them: pip install -e ".[extra]"
     options: ClassVar[dict[str, Option]] = {}
-    # served from a worker process of its own (ablate.engines.worker), so that a crash of its native
+    # served from a worker process of its own (ablate.outside.worker), so that a crash of its native
     # code fails its arm only; False for an engine that is only a client of a process apart (a server)
     in_worker: ClassVar[bool] = True
 

@@ -2,9 +2,9 @@
 
 `weights`: shipped runs the file as it is (SmolLM2's is Q4_1: a quarter of fp32's bytes, and products in
 llama.cpp's own quantised arithmetic: a different byte budget, labelled so); f32 and f16 run the same
-weights rewritten (ablate.engines.gguf_rewrite), the bytes ablate's fp32 and a half-precision engine
+weights rewritten (ablate.outside.gguf_rewrite), the bytes ablate's fp32 and a half-precision engine
 stream. `batching`: `sequences` decodes a batch of greedy requests together, llama.cpp's own batching
-across sequences (ablate/engines/llamacpp_batch.py), up to engine.max_num_seqs at once, each batch to
+across sequences (ablate/outside/llamacpp_batch.py), up to engine.max_num_seqs at once, each batch to
 its end (static batching); `one` serves one request at a time through llama-cpp-python's generate(),
 the only way for sampled requests (its samplers follow one sequence). Either way the cache is cleared
 before each batch: no prefix reuse across requests or rounds, every prompt is prefilled.
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from ablate.api.sequence import Request
 from ablate.checkpoints.loader import checkpoint_path
-from ablate.engines.batches import Emitter, OneBatchAtATime
-from ablate.engines.contract import Option
-from ablate.engines.gguf_rewrite import rewritten_gguf
-from ablate.engines.llamacpp_batch import BatchedContext
+from ablate.outside.batches import Emitter, OneBatchAtATime
+from ablate.outside.contract import Option
+from ablate.outside.gguf_rewrite import rewritten_gguf
+from ablate.outside.llamacpp_batch import BatchedContext
 from ablate.model.llama import LlamaModel
 
 if TYPE_CHECKING:

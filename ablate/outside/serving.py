@@ -1,5 +1,5 @@
 """One serving of the workload by an outside engine, measured where the engine runs (its worker
-process, ablate.engines.worker, or this one): the timeline's timestamps, the wall time and the tracked
+process, ablate.outside.worker, or this one): the timeline's timestamps, the wall time and the tracked
 memory are taken around the engine's own work, never around the messages to and from a worker, and
 the engine's own figures (weights, memory, what it ran) are read right after it served."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ablate.api.sequence import Request
-from ablate.engines.contract import OutsideEngine, OutsideEngineError
-from ablate.engines.timeline import Timeline
+from ablate.outside.contract import OutsideEngine, OutsideEngineError
+from ablate.outside.timeline import Timeline
 from ablate.measure import device as dev
 from ablate.measure.memory import TensorMemoryTracker
 

@@ -167,6 +167,14 @@ class Sequence:
         self.requeue()
         self._num_preemptions += 1
 
+    def sync(self, token_ids: list[int], num_computed: int) -> None:
+        """A model session's shadow of a target sequence (ablate/engine/session.py): it now knows
+        `token_ids` (the list itself, not a copy) and its own cache holds the first `num_computed`."""
+        if not 0 <= num_computed <= len(token_ids):
+            raise RuntimeError(f"sequence {self.seq_id}: {num_computed} computed of {len(token_ids)} tokens")
+        self._token_ids = token_ids
+        self._num_computed_tokens = num_computed
+
     def advance(self, num_new_tokens: int, emitted: list[int]) -> list[int]:
         """Engine, after a step that fed `num_new_tokens` (+ the drafts it verified) and emitted `emitted`.
 

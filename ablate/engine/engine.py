@@ -16,7 +16,7 @@ from ablate.api.context import EngineConfig
 from ablate.api.plugin import PluginError, blame
 from ablate.api.sequence import Request, Sequence, Status
 from ablate.api.slots import Decoding, Scheduler
-from ablate.api.step import Batch
+from ablate.api.step import Batch, StepLogits
 from ablate.engine.runner import ModelRunner
 from ablate.measure import device as dev
 from ablate.measure.recorder import StepHook
@@ -46,10 +46,11 @@ class Engine:
         start = time.perf_counter()
         for hook in self.hooks:
             hook.on_step_start(batch, start)
+        executor = StepExecutor(self.runner)
         with blame(self.decoding, "step"):
-            emitted = self.decoding.step(self.runner, batch)
+            emitted = self.decoding.step(executor, batch)
         end = dev.now(self.device) if any(h.times_device_work for h in self.hooks) else time.perf_counter()
-        kept = self.commit(batch, emitted)
+        kept = self.commit(batch, emitted, executor.fed_drafts)
         for hook in self.hooks:
             hook.on_step_end(batch, kept, end)
         with blame(self.scheduler, "finish_step"):
@@ -96,9 +97,11 @@ class Engine:
         batch.num_lookahead_tokens = lookahead
         return batch
 
-    def commit(self, batch: Batch, emitted: dict[int, list[int]]) -> dict[int, list[int]]:
+    def commit(self, batch: Batch, emitted: dict[int, list[int]],
+               fed_drafts: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
         """Apply the step: each sequence's new tokens and computed count, then what its cache keeps.
-        Returns the tokens each emitting sequence kept (a stop token or the length limit cuts the rest)."""
+        fed_drafts: the draft tokens the step's forward pass fed (seq_id -> tokens). Returns the tokens
+        each emitting sequence kept (a stop token or the length limit cuts the rest)."""
         if not isinstance(emitted, dict):
             raise PluginError(self.decoding, "step", f"returned {type(emitted).__name__}, expected a dict "
                               "seq_id -> emitted tokens")
@@ -108,7 +111,7 @@ class Engine:
             raise PluginError(self.decoding, "step", f"must emit for exactly the sequences whose step reaches their "
                               f"last token (batch.emits); missing {missing}, unexpected {extra}")
         kept: dict[int, list[int]] = {}
-        fed = self.runner.fed_drafts
+        fed = fed_drafts or {}
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             tokens = emitted.get(seq.seq_id)
             if tokens is not None:
@@ -120,7 +123,6 @@ class Engine:
             else:
                 seq.advance(n, [])
             self.kv_cache.commit(seq, seq.num_computed_tokens)
-        self.runner.fed_drafts = {}
         return kept
 
     # -- a whole workload --------------------------------------------------------------------------
@@ -238,6 +240,19 @@ class Engine:
         if cache.bytes_used():
             raise PluginError(cache, "bytes_used", f"reports {cache.bytes_used()} bytes used after every sequence "
                               "was released")
+
+
+class StepExecutor:
+    """The Executor one step's decoding runs on: the runner's forward pass, and the draft tokens it
+    fed, which the engine's commit checks the emitted tokens against."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner, self.device = runner, runner.device
+        self.fed_drafts: dict[int, list[int]] = {}      # seq_id -> draft tokens fed (none empty)
+
+    def forward(self, batch: Batch, draft_tokens: dict[int, list[int]] | None = None) -> StepLogits:
+        self.fed_drafts = {k: v for k, v in (draft_tokens or {}).items() if v}
+        return self.runner.forward(batch, self.fed_drafts)
 
 
 class _ReleaseFollowers(StepHook):

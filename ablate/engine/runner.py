@@ -37,7 +37,6 @@ class ModelRunner:
                        if self.graph_mode == "cuda-graphs" else None)
         self.step_counts = {True: 0, False: 0}      # compile mode: steps run compiled, and not
         self.decoding_name = decoding_name          # who passes draft tokens, for error messages
-        self.fed_drafts: dict[int, list[int]] = {}  # seq_id -> draft tokens fed by the last forward
         self.logits_checked = False                 # the first logits are checked once for NaN/inf
 
     def inputs(self, batch: Batch, draft_tokens: dict[int, list[int]] | None = None) -> tuple[StepInputs, list[int]]:
@@ -101,7 +100,6 @@ class ModelRunner:
         sequence owns, in batch order."""
         draft_tokens = {k: v for k, v in (draft_tokens or {}).items() if v}
         self.check_drafts(batch, draft_tokens)
-        self.fed_drafts = draft_tokens
         step, rows = self.inputs(batch, draft_tokens)
         with blame(self.kv_cache, "prepare"):
             step = self.kv_cache.begin_step(step)

@@ -20,16 +20,12 @@ from ablate.model.llama import LlamaModel
 
 
 class Shadow(Sequence):
-    """The session's view of one target sequence: the tokens it knows and how many its cache holds."""
+    """The session's view of one target sequence: the tokens it knows and how many its cache holds
+    (Sequence.sync sets both)."""
 
     def __init__(self, request: Request) -> None:
         super().__init__(request)
         self.start()
-
-    def sync(self, token_ids: list[int], num_computed: int) -> None:
-        """Now it knows `token_ids` (the list itself, not a copy) and its cache holds the first `num_computed`."""
-        self._token_ids = token_ids
-        self._num_computed_tokens = num_computed
 
 
 def common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
@@ -69,7 +65,7 @@ class ModelRunSession:
         logits = self.runner.forward(batch).logits                   # (B', V): one row each, at its last token
         self._passes += 1
         for shadow in batch_seqs:
-            shadow.sync(shadow.token_ids, shadow.num_tokens)         # everything it was fed is computed
+            shadow.sync(shadow.token_ids, shadow.num_tokens)       # everything it was fed is computed
             self.kv_cache.commit(shadow, shadow.num_tokens)
         return logits, mask
 
@@ -90,9 +86,10 @@ class ModelRunSession:
         shadow = held[1]
         # keep at most len(tokens) - 1: the last token is fed again to get the logits after it
         keep = common_prefix_len(shadow.token_ids, tokens, min(shadow.num_computed_tokens, len(tokens) - 1))
-        if keep < shadow.num_computed_tokens:
-            self.kv_cache.commit(shadow, keep)                      # roll back what no longer matches
+        rolled_back = keep < shadow.num_computed_tokens
         shadow.sync(tokens, keep)
+        if rolled_back:
+            self.kv_cache.commit(shadow, keep)                      # forget what no longer matches
         if not self.kv_cache.allocate(shadow, len(tokens) - keep):
             return None
         return shadow

@@ -31,6 +31,7 @@ import torch
 
 from ablate.analysis.attention_io import (AttentionShape, materialised_bytes, sdpa_bytes, tiled_bytes,
                                           triton_flash_block_m)
+from ablate.api import clock
 from ablate.api.context import BuildContext, EngineConfig, KVSpec
 from ablate.api.kv import PackedKV
 from ablate.api.plugin import Slot
@@ -92,9 +93,9 @@ def measure(args: argparse.Namespace) -> pd.DataFrame:
             for r in range(args.repeats):
                 for impl in args.impls if r % 2 == 0 else args.impls[::-1]:
                     step = prefill_step(n, device)
-                    start = dev.now(device)
+                    start = clock.now(device)
                     plugins[impl](q, view, step)
-                    times[impl].append(dev.now(device) - start)
+                    times[impl].append(clock.now(device) - start)
             for impl, plugin in plugins.items():
                 gc.collect()
                 step = prefill_step(n, device)

@@ -12,13 +12,13 @@ import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
+from ablate.api import clock
 from ablate.api.context import EngineConfig
 from ablate.api.plugin import PluginError, blame
 from ablate.api.sequence import Request, Sequence, Status
 from ablate.api.slots import Decoding, Scheduler
 from ablate.api.step import Batch, StepLogits
 from ablate.engine.runner import ModelRunner
-from ablate.measure import device as dev
 from ablate.measure.recorder import StepHook
 from ablate.workload.arrivals import ArrivalQueue
 
@@ -49,7 +49,7 @@ class Engine:
         executor = StepExecutor(self.runner)
         with blame(self.decoding, "step"):
             emitted = self.decoding.step(executor, batch)
-        end = dev.now(self.device) if any(h.times_device_work for h in self.hooks) else time.perf_counter()
+        end = clock.now(self.device) if any(h.times_device_work for h in self.hooks) else time.perf_counter()
         kept = self.commit(batch, emitted, executor.fed_drafts)
         for hook in self.hooks:
             hook.on_step_end(batch, kept, end)
@@ -137,7 +137,7 @@ class Engine:
         queue = ArrivalQueue(requests)
         self._check_gaps(sorted(requests, key=lambda r: r.arrival_time))
         self.seqs = {}
-        t0 = dev.now(self.device)
+        t0 = clock.now(self.device)
         release = _ReleaseFollowers(queue, t0)    # a finish (timed at its step's end) makes its followers due
         self.hooks.append(release)
         try:

@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 
 from ablate.analysis.analytic import CostModel
+from ablate.api import clock
 from ablate.api.context import EngineConfig
 from ablate.api.kv import KVBudgetConfig
 from ablate.api.plugin import Slot
@@ -110,10 +111,10 @@ def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: E
         kv_reserved_before = built.kv_cache.bytes_reserved()
         gc.collect()
         compiled_before, timed_before = kernel_compiles(), path_timings()
-        start = dev.now(device)
+        start = clock.now(device)
         with tracker:
             seqs = built.engine.run(requests)
-        wall = dev.now(device) - start
+        wall = clock.now(device) - start
         row: dict[str, Any] = {"wall_s": wall, "kernel_compiles": kernel_compiles() - compiled_before,
                                "path_timings": path_timings() - timed_before}
         if record:

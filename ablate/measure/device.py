@@ -1,4 +1,5 @@
-"""The device an experiment runs on: choosing it, timing on it, and reading its memory."""
+"""The device an experiment runs on: choosing it, describing it, and reading its memory. Its clock
+(a time read after the device's queued work) is ablate.api.clock, the one the engine reads."""
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +19,6 @@ import psutil
 import torch
 
 from ablate.api import kv
-from ablate.api.clock import now, synchronize  # noqa: F401  (the engine's clock: re-exported)
 
 
 def resolve(name: str = "auto") -> torch.device:

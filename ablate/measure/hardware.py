@@ -37,6 +37,7 @@ from typing import Any
 import psutil
 import torch
 
+from ablate.api import clock
 from ablate.measure import device as dev
 
 CACHE_DIR = Path.home() / ".cache" / "ablate"
@@ -161,9 +162,9 @@ def measure_bandwidth(device: torch.device, num_bytes: int = 2 << 30, repeats: i
     dst = torch.empty_like(src).fill_(1.0)
     best = float("inf")
     for _ in range(repeats):
-        start = dev.now(device)
+        start = clock.now(device)
         dst.copy_(src)
-        best = min(best, dev.now(device) - start)
+        best = min(best, clock.now(device) - start)
     del src, dst
     return 2 * num_bytes / best
 
@@ -176,9 +177,9 @@ def measure_flops(device: torch.device, dtype: torch.dtype, n: int = 2048, repea
     a @ b   # warm-up
     best = float("inf")
     for _ in range(repeats):
-        start = dev.now(device)
+        start = clock.now(device)
         a @ b
-        best = min(best, dev.now(device) - start)
+        best = min(best, clock.now(device) - start)
     return 2 * n**3 / best
 
 

@@ -45,13 +45,13 @@ import torch
 
 from ablate.analysis.analytic import CostModel
 from ablate.analysis.stats import log_interval
+from ablate.api import clock
 from ablate.api.context import EngineConfig
 from ablate.api.sequence import Request
 from ablate.api.step import Batch
 from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
 from ablate.engine.registry import Registry, default_registry
 from ablate.engine.session import Shadow
-from ablate.measure import device as dev
 from ablate.measure import hardware
 from ablate.model.llama import LlamaModel
 
@@ -157,9 +157,9 @@ def _peaks(peaks: hardware.Peaks | str | None, model: LlamaModel, device: torch.
 
 
 def _timed(fn, device: torch.device) -> float:
-    start = dev.now(device)                  # on a GPU: after the queue drains, and again after the pass
+    start = clock.now(device)                # on a GPU: after the queue drains, and again after the pass
     fn()
-    return dev.now(device) - start
+    return clock.now(device) - start
 
 
 def verify_cost(model: LlamaModel, context: int = 256, ks: Iterable[int] = range(1, 17), rounds: int = 5,

@@ -1,5 +1,7 @@
-"""ablate's native CPU kernels (ablate/model/native.py): built here, equal to torch's arithmetic,
-sharing torch's threads, timed against the other product paths, and absent without a compiler."""
+"""ablate's native CPU kernels (ablate/model/native/): built here, equal to torch's arithmetic (the
+one-token steps' kernels and the paged decode attention), sharing torch's threads, timed against the
+other product paths, and absent without a compiler."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 
 import ablate.model.linear as linear
 from ablate.model import native, numpy_blas
+from ablate.model.native import build as native_build
 from ablate.model.config import preset
 from ablate.model.linear import PACKABLE, Linear
 from ablate.model.llama import LlamaModel, RMSNorm
@@ -29,11 +32,11 @@ def fresh_choices(monkeypatch):
 
 @pytest.fixture
 def unbuilt(monkeypatch, tmp_path):
-    """native.py as in a fresh process, caching its builds under tmp_path."""
-    monkeypatch.setattr(native, "_lib", None)
-    monkeypatch.setattr(native, "_reason", None)
+    """The native library as in a fresh process, caching its builds under tmp_path (the process's
+    library comes back after the test)."""
     monkeypatch.setenv("ABLATE_CACHE_DIR", str(tmp_path))
-    return tmp_path
+    with native.LIBRARY.fresh():
+        yield tmp_path
 
 
 @needs_native
@@ -134,10 +137,10 @@ def test_the_build_is_cached_by_source_compiler_and_cpu(unbuilt, monkeypatch):
     assert native.available() and native.state() == "built"
     [built] = unbuilt.glob("native-*.so")
     mtime = built.stat().st_mtime_ns
-    monkeypatch.setattr(native, "_lib", None)
+    native.LIBRARY.forget()
     assert native.available() and built.stat().st_mtime_ns == mtime       # loaded, not built again
-    monkeypatch.setattr(native, "_lib", None)
-    monkeypatch.setattr(native, "_cpu_signature", lambda: "another CPU")
+    native.LIBRARY.forget()
+    monkeypatch.setattr(native_build, "_cpu_signature", lambda: "another CPU")
     assert native.available() and len(list(unbuilt.glob("native-*.so"))) == 2
 
 
@@ -154,7 +157,7 @@ DAMAGES = {
 def cached_library() -> Path:
     """The library built into the cache and not loaded: damaging a library this process has mapped
     would crash the test itself."""
-    return native._build(os.environ.get("CC", "cc"))
+    return native_build._build(os.environ.get("CC", "cc"))
 
 
 def damage(path: Path, how: str) -> None:
@@ -167,7 +170,7 @@ def test_a_damaged_cached_library_is_rebuilt_before_it_is_loaded(how, unbuilt):
     damage(cached_library(), how)
     assert native.available() and native.state() == "built"
     [rebuilt] = unbuilt.glob("native-*.so")                # in its place (or beside it, the damaged one gone)
-    assert native._damage(rebuilt) is None
+    assert native_build._damage(rebuilt) is None
     x, w = torch.randn(3, 40), torch.randn(40)
     torch.testing.assert_close(native.rms_norm(x, w, 1e-5), F.rms_norm(x, (40,), w, 1e-5), atol=1e-5, rtol=1e-5)
 
@@ -178,9 +181,9 @@ def test_a_damaged_cached_library_that_cannot_be_rebuilt_is_one_warning(unbuilt,
     damage(built, "truncated")
 
     def compiler_fails(cc, cache, key):
-        raise RuntimeError(f"{cc} failed: ['native.c:1: error: out of disk space']")
+        raise RuntimeError(f"{cc} failed: ['steps.c:1: error: out of disk space']")
 
-    monkeypatch.setattr(native, "_compile", compiler_fails)
+    monkeypatch.setattr(native_build, "_compile", compiler_fails)
     with pytest.warns(UserWarning) as warned:
         assert not native.available()
     (message,) = [str(w.message) for w in warned]
@@ -228,25 +231,23 @@ def test_processes_building_at_once_never_load_half_a_library(start_with, unbuil
         assert worker.returncode == 0, err[-2000:]
         assert out.startswith("True None"), out + err
     [library] = unbuilt.glob("native-*.so")
-    assert native._damage(library) is None
+    assert native_build._damage(library) is None
     assert not [p for p in unbuilt.iterdir() if p.is_dir()]          # no build folder left behind
 
 
 @pytest.mark.parametrize("why", ["no compiler", "switched off"])
 def test_without_the_kernels_products_and_norms_take_torchs_paths(why, unbuilt, fresh_choices, monkeypatch):
-    if why == "no compiler":
-        monkeypatch.setenv("CC", str(unbuilt / "no-such-cc"))
-    else:
-        monkeypatch.setenv("ABLATE_NATIVE", "0")
-    assert not native.available()
-    reason = native.unavailable_reason()
-    assert ("no-such-cc" in reason) if why == "no compiler" else ("ABLATE_NATIVE=0" in reason)
-    model = LlamaModel.random(preset("tiny"))
-    x = torch.randn(1, model.config.d_model)
-    with torch.inference_mode():
-        got = model.layers[0].mlp(model.layers[0].mlp_norm(x))
-    assert linear.linear_paths()["native kernels"] == reason
-    assert linear.NATIVE not in linear.linear_paths().values()
+    monkeypatch.setenv("CC", str(unbuilt / "no-such-cc"))
+    with native.LIBRARY.switched_off("off for this test") if why == "switched off" else contextlib.nullcontext():
+        assert not native.available()
+        reason = native.unavailable_reason()
+        assert ("no-such-cc" in reason) if why == "no compiler" else (reason == "off for this test")
+        model = LlamaModel.random(preset("tiny"))
+        x = torch.randn(1, model.config.d_model)
+        with torch.inference_mode():
+            got = model.layers[0].mlp(model.layers[0].mlp_norm(x))
+        assert linear.linear_paths()["native kernels"] == reason
+        assert linear.NATIVE not in linear.linear_paths().values()
     mlp = model.layers[0].mlp
     h = F.rms_norm(x, x.shape[-1:], model.layers[0].mlp_norm.weight, model.config.norm_eps)
     gate, up = F.linear(h, mlp.w_gate_up.weight).split(mlp.d_ff, dim=-1)
@@ -301,9 +302,7 @@ def test_a_batch_1_decode_on_the_kernels_gives_torchs_tokens(ablate_registry, mo
         finally:
             built.close()
 
-    with monkeypatch.context() as off:
-        off.setattr(native, "_lib", None)
-        off.setattr(native, "_reason", "off")
+    with native.LIBRARY.switched_off("off"):
         want = tokens(linear.MKL)
     calls = []
     kernel = native.matvec
@@ -311,3 +310,69 @@ def test_a_batch_1_decode_on_the_kernels_gives_torchs_tokens(ablate_registry, mo
     assert tokens(linear.NATIVE) == want
     # 11 decode steps, and the prefill's logits (of its last token only: one row)
     assert len(calls) == 11 * len([m for m in model.modules() if isinstance(m, Linear)]) + 1
+
+
+# -- paged decode attention (paged_attention.c), which attention=paged calls through ablate.api.native --
+
+def paged_decode_case(context_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                      seed: int = 0):
+    """One decode step's query and a pool of KV blocks handed out in a shuffled order, with garbage in
+    every slot no sequence owns (it must never be read) -> q (B, H, D), k_cache, v_cache (N, bs, H_kv, D),
+    block_tables (B, max_blocks) int32, context_lens (B) int32."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(context_lens)
+    tables = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(tables) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.zeros(batch, max(tables), dtype=torch.int32)
+    for b, n in enumerate(tables):
+        block_tables[b, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(batch, num_heads, head_dim, generator=gen)
+    return q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32)
+
+
+def attention_over_blocks(q, k_cache, v_cache, block_tables, context_lens) -> torch.Tensor:
+    """The definition: softmax(q K^T / sqrt(D)) V over each sequence's keys, gathered from its blocks
+    in table order, each query head reading KV head h // (H / H_kv) -> (B, H, D)."""
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    out = []
+    for b, n in enumerate(context_lens.tolist()):
+        blocks = block_tables[b, :-(-n // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:n].repeat_interleave(group, dim=1)      # (n, H, D)
+        v = v_cache[blocks].flatten(0, 1)[:n].repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b], k) * q.shape[-1] ** -0.5
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v))
+    return torch.stack(out)
+
+
+@needs_native
+@pytest.mark.parametrize("context_lens, block_size, heads, head_dim", [
+    ([1, 7, 16, 23], 4, (4, 2), 16),     # grouped-query: 2 query heads per KV head; partial and full last blocks
+    ([5, 33], 16, (2, 2), 64),
+    ([9], 1, (4, 1), 24),                # one token per block; multi-query; a width that is not a whole vector
+    ([130, 3, 64], 16, (9, 3), 64),      # SmolLM2's heads
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_decode_attention_computes_attention_over_the_blocks(context_lens, block_size, heads, head_dim, threads):
+    q, k_cache, v_cache, tables, lens = paged_decode_case(context_lens, block_size, *heads, head_dim=head_dim)
+    assert native.paged_decode_problem(q, k_cache, v_cache) is None
+    got = native.paged_decode_attention(q, k_cache, v_cache, tables, lens, threads)
+    torch.testing.assert_close(got, attention_over_blocks(q, k_cache, v_cache, tables, lens), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_paged_decode_attention_says_what_it_cannot_take():
+    q, k_cache, v_cache, _, _ = paged_decode_case([5], 4, 4, 2, head_dim=16)
+    assert "fp32 only" in native.paged_decode_problem(q.half(), k_cache.half(), v_cache.half())
+    assert "divide" in native.paged_decode_problem(q[:, :3], k_cache, v_cache)
+    assert "one width" in native.paged_decode_problem(q, k_cache, v_cache[..., :8])
+    assert "exceed" in native.paged_decode_problem(torch.randn(1, 64, 1024), *[torch.randn(2, 16, 1, 1024)] * 2)
+
+
+def test_without_the_kernels_paged_decode_attention_says_why():
+    with native.LIBRARY.switched_off("off for this test"):
+        q, k_cache, v_cache, _, _ = paged_decode_case([5], 4, 2, 2, head_dim=16)
+        assert native.paged_decode_problem(q, k_cache, v_cache) == "no native kernels (off for this test)"

@@ -1,4 +1,4 @@
-"""ablate's native CPU kernels, for plugins (ablate/model/native.c, compiled on first use where the
+"""ablate's native CPU kernels, for plugins (ablate/model/native/, compiled on first use where the
 machine has a C compiler):
 
     from ablate.api.native import paged_decode_attention, paged_decode_problem, available

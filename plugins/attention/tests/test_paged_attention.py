@@ -1,6 +1,7 @@
 """attention=paged: the Triton paged-decode kernel against the PyTorch block-table path, and the
-backend it records. The kernel runs on the CPU under the Triton interpreter, which must be switched on
-before triton is first imported (hence the environment line above the imports)."""
+backend it records (the native CPU kernel's own tests are in tests/test_native.py). The Triton kernel
+runs on the CPU under the Triton interpreter, which must be switched on before triton is first
+imported (hence the environment line above the imports)."""
 from __future__ import annotations
 
 import os
@@ -114,29 +115,6 @@ def test_paged_attention_needs_a_paged_cache(ablate_registry):
     with pytest.raises(IncompatiblePlugins, match="attention=paged cannot run with kv_cache=contiguous"):
         resolve_arm("t", {"kv_cache": "contiguous", "attention": "paged"}, baseline_configs(ablate_registry),
                     ablate_registry)
-
-
-@needs_native
-@pytest.mark.parametrize("context_lens, block_size, heads, head_dim", [
-    ([1, 7, 16, 23], 4, (4, 2), 16),     # grouped-query: 2 query heads per KV head; partial and full last blocks
-    ([5, 33], 16, (2, 2), 64),
-    ([9], 1, (4, 1), 24),                # one token per block; multi-query; a width that is not a whole vector
-    ([130, 3, 64], 16, (9, 3), 64),      # SmolLM2's heads
-])
-def test_native_kernel_equals_the_pytorch_block_table_path(context_lens, block_size, heads, head_dim):
-    q, view, step = decode_step(context_lens, block_size, *heads, head_dim=head_dim)
-    assert native.paged_decode_problem(q, view.k_cache, view.v_cache) is None
-    kernel = native.paged_decode_attention(q, view.k_cache, view.v_cache, view.block_tables, step.kv_lens_t, 2)
-    torch_path = paged_attention.gathered_attention(q, view, step)                      # (T = B, H, D)
-    torch.testing.assert_close(kernel, torch_path, atol=1e-5, rtol=1e-5)
-
-
-@needs_native
-def test_native_kernel_says_what_it_cannot_take():
-    q, view, _ = decode_step([5], 4, 4, 2, head_dim=16)
-    assert "fp32 only" in native.paged_decode_problem(q.half(), view.k_cache.half(), view.v_cache.half())
-    assert "divide" in native.paged_decode_problem(q[:, :3], view.k_cache, view.v_cache)
-    assert "one width" in native.paged_decode_problem(q, view.k_cache, view.v_cache[..., :8])
 
 
 def test_backend_native_is_refused_where_it_cannot_run(ablate_registry, ablate_tiny_model, monkeypatch):

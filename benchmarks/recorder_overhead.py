@@ -21,10 +21,11 @@ from ablate.analysis.stats import log_interval
 from ablate.api.context import EngineConfig
 from ablate.checkpoints.loader import load_model
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
+from ablate.engine.hooks import StepHook
 from ablate.engine.registry import default_registry
 from ablate.experiment.run import run_once
 from ablate.measure import device as dev
-from ablate.measure.recorder import Recorder, StepHook
+from ablate.measure.recorder import Recorder
 from ablate.model.config import preset
 from ablate.workload.requests import WorkloadConfig, make_requests
 

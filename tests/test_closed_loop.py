@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ablate.api.sequence import Request
-from ablate.measure.recorder import StepHook
+from ablate.engine.hooks import StepHook
 from ablate.workload.arrivals import ArrivalQueue
 from ablate.workload.requests import WorkloadConfig, make_requests
 

@@ -8,7 +8,7 @@ import pytest
 
 from ablate.api.context import EngineConfig
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
-from ablate.measure.recorder import StepHook
+from ablate.engine.hooks import StepHook
 
 
 class Steps(StepHook):

@@ -18,8 +18,8 @@ from ablate.api.plugin import PluginError, blame
 from ablate.api.sequence import Request, Sequence, Status
 from ablate.api.slots import Decoding, Scheduler
 from ablate.api.step import Batch, StepLogits
+from ablate.engine.hooks import StepHook
 from ablate.engine.runner import ModelRunner
-from ablate.measure.recorder import StepHook
 from ablate.workload.arrivals import ArrivalQueue
 
 MAX_IDLE_WAIT_S = 3600.0    # an arrival further away than this is a malformed workload, not a wait

@@ -1,13 +1,14 @@
-"""Per-request timestamps and per-step counters, gathered through the engine's hooks."""
+"""Per-request timestamps and per-step counters, gathered through the engine's hooks (a Recorder is a
+StepHook, ablate.engine.hooks)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from ablate.analysis.analytic import CostModel
 from ablate.api.kv_cache import KVCache
 from ablate.api.sequence import Sequence
 from ablate.api.step import Batch
+from ablate.engine.hooks import StepHook
 
 
 @dataclass
@@ -38,21 +39,6 @@ class StepRecord:
     flops: float = 0.0          # analytic cost of what the step fed (ablate.analysis.analytic)
     bytes: float = 0.0
     num_seqs_admitted: int = 0  # sequences holding KV-cache room at the step's end (a budget limits them)
-
-
-class StepHook:
-    """What the engine tells its observers. All methods are optional no-ops.
-
-    times_device_work: the hook needs each step's end time to include the step's device work, so the
-    engine waits for the device before reading the clock (a host sync per step); otherwise the clock
-    is read at once (a step that emits tokens has waited for them anyway)."""
-
-    times_device_work: ClassVar[bool] = False
-
-    def on_arrival(self, seq: Sequence, at: float) -> None: ...
-    def on_step_start(self, batch: Batch, at: float) -> None: ...
-    def on_step_end(self, batch: Batch, emitted: dict[int, list[int]], at: float) -> None: ...
-    def on_finish(self, seq: Sequence, at: float) -> None: ...
 
 
 class Recorder(StepHook):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ablate.api.kv_cache import KVCache
 from ablate.api.sequence import Sequence
 from ablate.api.step import Batch
-from ablate.measure.recorder import StepHook
+from ablate.engine.hooks import StepHook
 
 # the states a scenario can require, and what each means when it is missing
 STATES = {

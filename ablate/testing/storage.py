@@ -23,8 +23,7 @@ import torch
 from ablate.api.kv import KVBudgetConfig
 from ablate.api.kv_cache import KVCache
 from ablate.api.step import Batch
-from ablate.measure.recorder import StepHook
-
+from ablate.engine.hooks import StepHook
 
 # headroom over what the first step wrote: tensors a cache keeps besides K/V (a block table on the
 # device, say) that the step also fills; a cache reporting half its bytes per token stores 2x

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 import ablate.api.clock as clock
 from ablate.api.sequence import Request
 from ablate.api.step import Batch
-from ablate.measure.recorder import StepHook
+from ablate.engine.hooks import StepHook
 
 # calls that return host values computed on the device, or whose output size depends on them
 # (Tensor.numpy is not one: on a GPU tensor it raises, and the CPU's numpy product path calls it)

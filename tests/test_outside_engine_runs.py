@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from ablate.api.context import EngineConfig
-from ablate.engine.arm import baseline_configs, resolve_arm
+from ablate.engine.arm import baseline_configs
+from ablate.outside.arms import resolve_arm
 from ablate.outside.hf import HFGenerate
 from ablate.experiment.config import ExperimentConfig
 from ablate.experiment.quality_guard import QualityConfig

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ablate.api.sequence import Request
-from ablate.engine.arm import ArmSpec, baseline_configs, resolve_arm
+from ablate.engine.arm import ArmSpec, baseline_configs
+from ablate.outside.arms import resolve_arm
 from ablate.outside.batches import OneBatchAtATime
 from ablate.outside.contract import OutsideEngineError
 from ablate.outside.hf import HFGenerate, hf_state_dict

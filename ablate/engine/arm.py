@@ -13,8 +13,6 @@ from ablate.engine.engine import Engine
 from ablate.engine.registry import Registry
 from ablate.engine.runner import ModelRunner
 from ablate.engine.session import ModelRunSession
-from ablate.outside.contract import OutsideEngine
-from ablate.outside.discovery import OWN_ENGINE, load_engine
 from ablate.model.llama import LlamaModel
 
 BASELINE = {Slot.MODEL: "none", Slot.KV_CACHE: "none", Slot.ATTENTION: "naive",
@@ -22,6 +20,7 @@ BASELINE = {Slot.MODEL: "none", Slot.KV_CACHE: "none", Slot.ATTENTION: "naive",
 MODEL_KEY = "model"     # an arm spec key that sets model fields rather than a slot's plugin
 ENGINE_KEY = "engine"   # an arm spec key that sets engine options per arm
 ARM_ENGINE_OPTIONS = ("graphs",)   # the engine options an arm may set (the limits are the experiment's)
+OWN_ENGINE = "ablate"        # engine.name of an arm that runs ablate's own engine (any other: ablate.outside)
 
 
 class IncompatiblePlugins(ValueError):
@@ -92,8 +91,9 @@ class Arm:
     plugins: dict[Slot, PluginConfig]
     model_overrides: dict[str, Any] = field(default_factory=dict)   # e.g. {"n_kv_heads": 1}
     engine_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {"graphs": True}
-    # an outside engine's arm (ablate.outside): its class and resolved options; its plugins are unused
-    outside: tuple[type[OutsideEngine], dict[str, Any]] | None = None
+    # an outside engine's arm, resolved by ablate.outside.arms: its class (an ablate.outside.contract
+    # OutsideEngine) and resolved options; its plugins are unused
+    outside: tuple[type, dict[str, Any]] | None = None
 
     def label(self) -> str:
         """`kv_cache=contiguous attention=naive ...`: the plugins and engine options that differ from
@@ -110,13 +110,13 @@ class Arm:
 def resolve_arm(name: str, spec: ArmSpec | dict[str, Any] | None, base: dict[Slot, PluginConfig],
                 registry: Registry) -> Arm:
     """Apply an arm's spec to `base`: a slot the spec does not mention keeps the base's plugin; a
-    slot naming the base's plugin keeps the base's options too, with the spec's on top."""
+    slot naming the base's plugin keeps the base's options too, with the spec's on top. An arm of
+    ablate's own engine only: ablate.outside.arms.resolve_arm resolves an outside engine's too."""
     if not isinstance(spec, ArmSpec):
         spec = ArmSpec.parse(f"arm {name!r}", spec)
     if spec.outside is not None:
-        options = {k: v for k, v in spec.outside.items() if k != "name"}
-        cls = load_engine(f"arm {name!r}", spec.outside["name"])
-        return Arm(name, dict(base), outside=(cls, cls.resolve_options(f"arm {name!r}.{ENGINE_KEY}", options)))
+        raise ValueError(f"arm {name!r} runs engine={spec.outside['name']}, an outside engine: "
+                         "ablate.outside.arms.resolve_arm resolves its arm, not ablate.engine.arm")
     plugins = dict(base)
     for slot, fields in spec.plugins.items():
         if base[slot].name == fields["name"]:

@@ -32,9 +32,10 @@ from typing import Any
 import pandas as pd
 
 from ablate.api.plugin import PluginConfig, Slot
-from ablate.engine.arm import BASELINE, ENGINE_KEY, MODEL_KEY, Arm, ArmSpec, IncompatiblePlugins, resolve_arm
+from ablate.engine.arm import BASELINE, ENGINE_KEY, MODEL_KEY, Arm, ArmSpec, IncompatiblePlugins
 from ablate.engine.registry import Registry
 from ablate.experiment.field_types import check_field_types
+from ablate.outside.arms import resolve_arm
 
 BASELINE_ARM = "baseline"
 FULL_ARM = "full"

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from ablate.engine.arm import BASELINE, Arm, baseline_configs, resolve_arm
+from ablate.engine.arm import BASELINE, Arm, baseline_configs
 from ablate.engine.registry import Registry
 from ablate.experiment.ablation import arm_table, plan_arms
 from ablate.experiment.config import RunConfig
+from ablate.outside.arms import resolve_arm
 
 
 @dataclass

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from importlib.metadata import EntryPoint, entry_points
 
+from ablate.engine.arm import OWN_ENGINE
 from ablate.outside.contract import OutsideEngine
 
 GROUP = "ablate.engines"
-OWN_ENGINE = "ablate"        # engine.name of an arm that runs ablate's own engine
 
 
 def engine_names() -> list[str]:

@@ -6,7 +6,7 @@ import contextlib
 import gc
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import pandas as pd
@@ -16,26 +16,17 @@ from ablate.api import clock
 from ablate.api.context import EngineConfig
 from ablate.api.kv import KVBudgetConfig
 from ablate.api.plugin import Slot
-from ablate.api.sequence import Request, Sequence
+from ablate.api.sequence import Request
 from ablate.engine.arm import Arm, build_arm
 from ablate.engine.registry import Registry
 from ablate.measure import device as dev
 from ablate.measure.hardware import Peaks
 from ablate.measure.memory import TensorMemoryTracker, cuda_peak_since, resident_weight_bytes, start_cuda_peak
-from ablate.measure.metrics import request_table, roofline, summarise
+from ablate.measure.metrics import ArmRun, request_table, roofline, summarise
 from ablate.measure.quality import runner_perplexity
 from ablate.measure.recorder import Recorder
 from ablate.model.linear import copy_bytes, path_timings
 from ablate.model.llama import LlamaModel
-
-
-@dataclass
-class ArmRun:
-    """The figures of one arm on one grid point in one round."""
-
-    row: dict[str, Any]
-    requests: pd.DataFrame
-    sequences: list[Sequence]
 
 
 def expects_baseline_tokens(arm: Arm, baseline: Arm, registry: Registry) -> bool:

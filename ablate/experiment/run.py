@@ -37,14 +37,14 @@ from ablate.api.plugin import PluginError
 from ablate.api.sequence import Sequence
 from ablate.engine.arm import Arm
 from ablate.engine.registry import Registry
-from ablate.experiment.arm_run import ArmRun, expects_baseline_tokens, run_once, with_fixed_kv_budget
+from ablate.experiment.arm_run import expects_baseline_tokens, run_once, with_fixed_kv_budget
 from ablate.experiment.config import ExperimentConfig
 from ablate.experiment.quality_weights import ScoredWeights
 from ablate.experiment.round_checks import check_round, guard_quality, point_label, settled
 from ablate.experiment.summary import summarise_arms
 from ablate.measure.cpu_load import CpuShareMeter
 from ablate.measure.hardware import Peaks
-from ablate.measure.metrics import goodput, ttft_slo_attainment
+from ablate.measure.metrics import ArmRun, goodput, ttft_slo_attainment
 from ablate.model.llama import LlamaModel
 from ablate.outside.contract import OutsideEngineError
 from ablate.outside.runs import OutsideRuns

@@ -9,12 +9,28 @@ alone / duration, and TTFT SLO attainment = the fraction of requests meeting it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import pandas as pd
 
+from ablate.api.sequence import Sequence
 from ablate.measure.recorder import Recorder
 
 PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class ArmRun:
+    """The figures of one arm on one grid point in one round: its row (summarise, roofline, its
+    stats), one row per request (request_table) and its sequences, whose tokens are compared with the
+    baseline's. Ablate's own arms (ablate.experiment.arm_run) and outside engines' (ablate.outside.runs)
+    are measured into one alike."""
+
+    row: dict[str, Any]
+    requests: pd.DataFrame
+    sequences: list[Sequence]
 
 
 def request_table(rec: Recorder) -> pd.DataFrame:

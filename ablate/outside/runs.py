@@ -1,5 +1,5 @@
 """An outside engine's arm measured once, into the same row of figures as ablate's own arms
-(ablate.experiment.arm_run): the workload's requests served, their times read by the same metrics
+(an ArmRun, ablate.measure.metrics): the workload's requests served, their times read by the same metrics
 (TTFT, TPOT, ITL, E2E, throughputs), and its outputs as Sequences so that the experiment compares its
 tokens with the baseline's like any arm's."""
 from __future__ import annotations
@@ -13,8 +13,7 @@ from ablate.engine.arm import Arm
 from ablate.outside.contract import OutsideEngineError
 from ablate.outside.serving import InProcess
 from ablate.outside.worker import EngineWorker
-from ablate.experiment.arm_run import ArmRun
-from ablate.measure.metrics import request_table, summarise
+from ablate.measure.metrics import ArmRun, request_table, summarise
 from ablate.model.llama import LlamaModel
 
 

@@ -17,7 +17,7 @@ import pytest
 from ablate.api.context import EngineConfig
 from ablate.engine.arm import baseline_configs
 from ablate.experiment.config import ExperimentConfig
-from ablate.experiment.exit_status import describe_exit
+from ablate.exit_status import describe_exit
 from ablate.outside.arms import resolve_arm
 from ablate.experiment.quality_guard import QualityConfig
 from ablate.experiment.run import run_experiment

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ablate.experiment.exit_status import describe_exit
+from ablate.exit_status import describe_exit
 
 FAST = ["model=tiny", "experiment.repeats=1", "experiment.warmup=0", "workload.num_requests=2",
         "workload.output_len=3", "device=cpu", "threads=1", "peak_bandwidth=1e10", "peak_flops=1e11",

@@ -30,7 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ablate.experiment.exit_status import describe_exit
+from ablate.exit_status import describe_exit
 
 GRACE_S = 10.0       # after Ctrl-C, the seconds the job (interrupted as well) has to keep its rounds and exit
 

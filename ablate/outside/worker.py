@@ -31,7 +31,7 @@ import torch
 from ablate.api.sequence import Request
 from ablate.outside.contract import OutsideEngine, OutsideEngineError
 from ablate.outside.serving import Served, measured_serve
-from ablate.experiment.exit_status import describe_exit
+from ablate.exit_status import describe_exit
 from ablate.model.config import ModelConfig
 from ablate.model.llama import LlamaModel
 

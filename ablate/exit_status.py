@@ -2,7 +2,9 @@
 
 A process the kernel's out-of-memory killer ends gets SIGKILL and leaves no message of its own; a
 crash in native code (a C extension, an outside engine's library) ends in SIGSEGV, SIGBUS or SIGABRT.
-The parent sees only the exit code, negative for a signal (multiprocessing's convention)."""
+The parent sees only the exit code, negative for a signal (multiprocessing's convention). Both kinds
+of child ablate starts say it with this: an outside engine's worker (ablate.outside.worker) and a
+sweep's job process (ablate.experiment.job_process)."""
 from __future__ import annotations
 
 import signal

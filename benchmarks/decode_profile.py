@@ -8,7 +8,7 @@ per step: --kv paged; or, with --kv paged --attention paged, the paged-decode ke
 blocks in place, as the engines_serving experiment runs), 128-token prompts, greedy. The CPU
 products run several ways, interleaved round by round in one process: `timed` (the paths
 ablate.model.linear times at run time: what every run uses), `no native` (the same, timed and run
-without ablate's native kernels, ablate/model/native.py: its products and its RMSNorm), `mkl` and
+without ablate's native kernels, ablate/model/native/: its products and its RMSNorm), `mkl` and
 `onednn` (every product of up to 16 rows forced onto one of torch's paths), and at batch 1 `numpy`
 (every one-token step lent to numpy's BLAS, ablate/model/numpy_blas.py) and `native` (every one-row
 product on the native kernel); past 16 rows only `timed` (the native kernels take at most 16). Per way: the decode step's median time from the engine's recorder, and a torch.profiler breakdown of
@@ -38,10 +38,11 @@ from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.engine.registry import default_registry
 from ablate.measure.device import measure_read_bandwidth
 from ablate.measure.recorder import Recorder, StepHook
-from ablate.model import linear, native, numpy_blas
+from ablate.model import native, numpy_blas
 from ablate.model.config import preset
 from ablate.model.forward import Forward
 from ablate.model.linear import Linear
+from ablate.model.product_paths import PRODUCT_PATHS
 
 # category -> the profiler events it sums (their total time: RMSNorm is made of several operations;
 # the attention and KV-cache slots are named around their plugins' calls, gathers from blocks included)
@@ -52,30 +53,20 @@ CATEGORIES = {"products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm
               "rms_norm": ("aten::rms_norm", "native::rms_norm")}
 
 
-def force(way: str, chosen: dict, chosen_one_row: dict) -> None:
-    """Every 1-row (decode at batch 1) or 2-16-row product onto `way` (the native kernel: 1-row
-    products only), or back to the choices timed with (`timed`) or without (`no native`) it."""
-    linear._paths.clear()
-    numpy_blas.on_numpy.clear()
-    if way in ("timed", "no native"):
-        linear._paths.update(chosen[way])
-        numpy_blas.on_numpy.update(chosen_one_row[way])
-    else:
-        rows = 1 if way == "native" else 2
-        linear._paths.update({k: (way if k[3] < rows and way != "numpy" else v) for k, v in chosen["timed"].items()})
-        numpy_blas.on_numpy.update({k: way == "numpy" for k in chosen_one_row["timed"]})
+def force(way: str, chosen: dict) -> None:
+    """Every 1-row (decode at batch 1) or 2-16-row product onto `way` (numpy and the native kernel:
+    1-row products only; the rest keep the timed choices), or back to the choices timed with (`timed`)
+    or without (`no native`) the native kernels."""
+    PRODUCT_PATHS.restore(chosen["no native" if way == "no native" else "timed"])
+    if way in ("mkl", "onednn"):
+        PRODUCT_PATHS.force({"1": way, "2-16": way})
+    elif way in ("numpy", "native"):
+        PRODUCT_PATHS.force({"1": way})
 
 
-@contextlib.contextmanager
 def native_kernels(on: bool):
     """ablate's native kernels (products and RMSNorm) on, or off as where they cannot be built."""
-    saved = native._lib, native._reason
-    if not on:
-        native._lib, native._reason = None, "off for this way"
-    try:
-        yield
-    finally:
-        native._lib, native._reason = saved
+    return contextlib.nullcontext() if on else PRODUCT_PATHS.without_native("off for this way")
 
 
 def named(method, event: str):
@@ -144,13 +135,12 @@ def main() -> None:
     model = load_model(preset("smollm2-135m", init="pretrained"))
     arm = resolve_arm("profile", {"kv_cache": args.kv, "attention": args.attention}, baseline_configs(registry),
                       registry)
-    chosen, chosen_one_row = {}, {}
+    chosen = {}
     for way in ("no native", "timed"):          # warm-ups: the timed choices are made, without and with
-        linear._paths.clear()                     # the native kernels
-        numpy_blas.on_numpy.clear()
+        PRODUCT_PATHS.reset()                     # the native kernels
         with native_kernels(way == "timed"):
             decode_steps(model, arm, registry, args.batch, 8, profiled=False)
-        chosen[way], chosen_one_row[way] = dict(linear._paths), dict(numpy_blas.on_numpy)
+        chosen[way] = PRODUCT_PATHS.snapshot()
     Linear._numpy = named(Linear._numpy, "numpy_blas::matmul")
     native.matvec, native.rms_norm = named(native.matvec, "native::matvec"), named(native.rms_norm, "native::rms_norm")
     Forward.attend, Forward.store = named(Forward.attend, "slot::attention"), named(Forward.store, "slot::kv_cache")
@@ -162,20 +152,22 @@ def main() -> None:
     rows = []
     for round_ in range(args.rounds):
         for way in ways if round_ % 2 == 0 else ways[::-1]:
-            force(way, chosen, chosen_one_row)
+            force(way, chosen)
             with native_kernels(way != "no native"):
                 step_ms, n, _ = decode_steps(model, arm, registry, args.batch, args.steps, profiled=False)
                 profiled_ms, n, prof = decode_steps(model, arm, registry, args.batch, args.steps, profiled=True)
             rows.append({"way": way, "round": round_, "step_ms": step_ms} | breakdown(prof, n, profiled_ms, step_ms))
-    force("timed", chosen, chosen_one_row)
-    print(f"choices without the native kernels: {chosen['no native']}")
+    force("no native", chosen)
+    with native_kernels(False):
+        print(f"choices without the native kernels: {PRODUCT_PATHS.choices()}")
+    force("timed", chosen)
     table = pd.DataFrame(rows).groupby("way").median(numeric_only=True).drop(columns="round")
     table["weights_gb_s"] = model.weight_bytes() / table["step_ms"] / 1e6
     table["of_read_bandwidth"] = table["weights_gb_s"] / bandwidth
     # 2 flops per weight per row (the embedding table counted once, as the tied LM head)
     table["products_gflop_s"] = 2 * args.batch * model.weight_bytes() / 4 / table["products_ms"] / 1e6
     print(f"read bandwidth {bandwidth:.1f} GB/s (1 GiB buffer); {torch.get_num_threads()} threads; batch {args.batch}; "
-          f"timed choices: {linear.linear_paths()}")
+          f"timed choices: {PRODUCT_PATHS.choices()}")
     print(table.to_markdown(floatfmt=".3g"))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -84,6 +84,18 @@ def prompt_tokens(length: int, seed: int, vocab_size: int = 256) -> tuple[int, .
     return tuple(torch.randint(0, vocab_size, (length,), generator=gen).tolist())
 
 
+@pytest.fixture
+def fresh_product_paths():
+    """The CPU product paths chosen afresh in the test (PRODUCT_PATHS.reset: nothing chosen or forced,
+    and only the layers the test makes timed over); the process's choices come back after it."""
+    from ablate.model.product_paths import PRODUCT_PATHS
+
+    saved = PRODUCT_PATHS.snapshot()
+    PRODUCT_PATHS.reset(layers=True)
+    yield PRODUCT_PATHS
+    PRODUCT_PATHS.restore(saved)
+
+
 @pytest.fixture(scope="session")
 def make_requests():
     """make_requests(prompt_lens, max_new_tokens, sampling=None, stop_token_ids=(), seed=0, first_id=0).

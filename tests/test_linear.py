@@ -1,20 +1,18 @@
-"""The CPU matmul paths of ablate.model.linear.Linear compute F.linear, whatever the layout."""
+"""The CPU matmul paths of ablate.model.linear.Linear compute F.linear, whatever the layout; each
+kind of product takes the path timed fastest or the one forced (ablate.model.product_paths)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ablate.model import native, numpy_blas
+from ablate.model import native
 from ablate.model.config import preset
 import ablate.model.linear as linear
 from ablate.model.linear import PACKABLE, Linear
 from ablate.model.llama import LlamaModel
+from ablate.model.product_paths import MKL, NATIVE, ONEDNN, PRODUCT_PATHS, row_class, row_class_name
 
-
-@pytest.fixture(autouse=True)
-def fresh_choices(monkeypatch):
-    """Each test makes its own path choices (one-row ones included), not the process's."""
-    monkeypatch.setattr(linear, "_paths", {})
-    monkeypatch.setattr(numpy_blas, "on_numpy", {})
+# each test makes its own path choices (one-row ones included) among its own layers, not the process's
+pytestmark = pytest.mark.usefixtures("fresh_product_paths")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17])
@@ -33,14 +31,12 @@ def test_linear_matches_f_linear(rows, input_major):
 
 
 @pytest.mark.parametrize("path, rows", [
-    pytest.param(linear.ONEDNN, 4, marks=pytest.mark.skipif(torch.float32 not in PACKABLE, reason="no oneDNN")),
-    pytest.param(linear.NATIVE, 1, marks=pytest.mark.skipif(not native.available(), reason="no native kernels")),
+    pytest.param(ONEDNN, 4, marks=pytest.mark.skipif(torch.float32 not in PACKABLE, reason="no oneDNN")),
+    pytest.param(NATIVE, 1, marks=pytest.mark.skipif(not native.available(), reason="no native kernels")),
 ])
 def test_packed_weight_follows_in_place_edits(path, rows):
     layer = Linear(32, 16, bias=False)
-    threads = torch.get_num_threads()
-    linear._paths[16, 32, torch.float32, linear.row_class(rows), threads] = path
-    numpy_blas.on_numpy[torch.float32, threads] = False
+    PRODUCT_PATHS.force({row_class_name(row_class(rows)): path})
     x = torch.randn(rows, 32)
     with torch.inference_mode():
         layer(x)
@@ -64,16 +60,16 @@ def test_bf16_model_keeps_row_major_weights():
 
 
 @pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
-@pytest.mark.parametrize("faster", [linear.MKL, linear.ONEDNN])
+@pytest.mark.parametrize("faster", [MKL, ONEDNN])
 def test_the_faster_path_is_chosen_by_timing_once_and_recorded(faster, monkeypatch):
     """Whichever path the clock says is faster runs (the same product either way), chosen once per
-    kind of product and listed by linear_paths()."""
+    kind of product and listed by PRODUCT_PATHS.choices()."""
     timed = []
 
     def fake_median(fn, repeats=7):
         timed.append(fn)
         fn()
-        return 1.0 if (len(timed) % 2 == 1) == (faster == linear.ONEDNN) else 0.5   # MKL is timed first
+        return 1.0 if (len(timed) % 2 == 1) == (faster == ONEDNN) else 0.5   # MKL is timed first
 
     monkeypatch.setattr(linear, "_median_seconds", fake_median)
     layer = Linear(48, 80, bias=True)
@@ -83,17 +79,19 @@ def test_the_faster_path_is_chosen_by_timing_once_and_recorded(faster, monkeypat
             got = layer(x)
     torch.testing.assert_close(got, F.linear(x, layer.weight.detach(), layer.bias), atol=1e-5, rtol=1e-5)
     assert len(timed) == 2                                   # timed once, then remembered
-    [(kind, path)] = [(k, v) for k, v in linear.linear_paths().items() if k != "native kernels"]
+    [(kind, path)] = [(k, v) for k, v in PRODUCT_PATHS.choices().items()
+                      if k not in ("native kernels", "cpu_products")]
     assert path == faster and kind == f"80x48 float32 2-16 rows {torch.get_num_threads()} threads"
+    assert PRODUCT_PATHS.choices()["cpu_products"] == "auto"
 
 
 def test_row_classes_separate_decode_verify_and_prefill():
-    assert [linear.row_class_name(linear.row_class(r)) for r in (1, 2, 16, 17, 128, 129, 4096)] == [
+    assert [row_class_name(row_class(r)) for r in (1, 2, 16, 17, 128, 129, 4096)] == [
         "1", "2-16", "2-16", "17-128", "17-128", "129+", "129+"]
 
 
 @pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
-@pytest.mark.parametrize("faster", [linear.MKL, linear.ONEDNN])
+@pytest.mark.parametrize("faster", [MKL, ONEDNN])
 def test_the_paths_are_timed_over_every_live_layer_of_the_shape(faster, monkeypatch):
     """A decode step streams each shape's weights from every layer; one weight timed again and again
     sits in the cache. The timing runs the product through all live layers of the same shape (not
@@ -109,14 +107,14 @@ def test_the_paths_are_timed_over_every_live_layer_of_the_shape(faster, monkeypa
         return onednn(self, x)
 
     monkeypatch.setattr(Linear, "_onednn", counted)
-    timings = iter([0.5, 1.0] if faster == linear.MKL else [1.0, 0.5])     # MKL is timed first
+    timings = iter([0.5, 1.0] if faster == MKL else [1.0, 0.5])     # MKL is timed first
     monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (fn(), next(timings))[1])
     x = torch.randn(4, 48)
     with torch.inference_mode():
         got = same[0](x)
     torch.testing.assert_close(got, F.linear(x, same[0].weight.detach()), atol=1e-5, rtol=1e-5)
-    assert [products[id(m)] for m in same] == [1 + (faster == linear.ONEDNN), 1, 1] and products[id(other)] == 0
-    assert all((m._packed is None) == (faster == linear.MKL) for m in same)
+    assert [products[id(m)] for m in same] == [1 + (faster == ONEDNN), 1, 1] and products[id(other)] == 0
+    assert all((m._packed is None) == (faster == MKL) for m in same)
 
 
 @pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
@@ -140,3 +138,110 @@ def test_a_losing_onednn_path_keeps_the_packed_copies_other_row_classes_use(monk
         monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (fn(), next(timings))[1])
         layers[0](torch.randn(2, 48))
     assert layers[0]._packed is None and layers[1]._packed is not None
+
+
+# -- forcing and forgetting the choices (PRODUCT_PATHS.force, reset) ---------------------------------
+
+class CountedPaths:
+    """Counts the products each path runs: oneDNN, the native kernel and numpy through Linear's own
+    methods; MKL is what runs through F.linear with none of them."""
+
+    def __init__(self, monkeypatch):
+        self.ran: list[str] = []
+        for name in ("onednn", "native", "numpy"):
+            method = getattr(Linear, f"_{name}")
+            monkeypatch.setattr(Linear, f"_{name}",
+                                lambda layer, *args, name=name, method=method: self.ran.append(name) or method(layer, *args))
+
+
+def products(model, rows: int) -> int:
+    """Every Linear of `model` once on `rows` rows (its products as a forward pass runs them): how many ran."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    with torch.inference_mode():
+        for m in layers:
+            torch.testing.assert_close(m(x := torch.randn(rows, m.in_features)), F.linear(x, m.weight, m.bias),
+                                       atol=1e-4, rtol=1e-4)
+    return len(layers)
+
+
+@pytest.mark.parametrize("path, rows", [
+    (MKL, (1, 5, 40, 200)),
+    pytest.param(ONEDNN, (1, 5, 40, 200), marks=pytest.mark.skipif(torch.float32 not in PACKABLE, reason="no oneDNN")),
+    pytest.param(NATIVE, (1,), marks=pytest.mark.skipif(not native.available(), reason="no native kernels")),
+])
+def test_a_forced_path_takes_every_product_of_a_model_untimed(path, rows, monkeypatch):
+    """cpu_products=<path>: every product of a tiny random model the path can take (every row class;
+    the native kernel: one row) runs on it, the same product as F.linear, and nothing is timed."""
+    model = LlamaModel.random(preset("tiny"))
+    counted, timings = CountedPaths(monkeypatch), PRODUCT_PATHS.timings
+    PRODUCT_PATHS.force(path)
+    ran = sum(products(model, r) for r in rows)
+    assert counted.ran == ([] if path == MKL else [path] * ran)
+    assert PRODUCT_PATHS.timings == timings
+    choices = PRODUCT_PATHS.choices()
+    assert choices["cpu_products"] == path
+    assert {v for k, v in choices.items() if " rows " in k} == {path}
+    if 1 in rows:                                  # one-row steps stay on torch's side: not lent to numpy
+        assert choices[f"one-row steps float32 {torch.get_num_threads()} threads"] == "torch"
+
+
+@pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
+def test_reset_makes_the_next_product_time_again(monkeypatch):
+    layer = Linear(48, 80, bias=False)
+    monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (fn(), 1.0)[1])
+    x = torch.randn(5, 48)
+    with torch.inference_mode():
+        layer(x)
+        timed = PRODUCT_PATHS.timings
+        layer(x)
+        assert PRODUCT_PATHS.timings == timed                # remembered
+        PRODUCT_PATHS.reset()
+        assert not [k for k in PRODUCT_PATHS.choices() if " rows " in k]
+        layer(x)
+        assert PRODUCT_PATHS.timings == timed + 1            # timed again
+        PRODUCT_PATHS.force(MKL)                             # a forced class forgets its timed choice
+        layer(x)
+        assert PRODUCT_PATHS.timings == timed + 1
+        PRODUCT_PATHS.reset()                                # and reset forgets the forcing
+        layer(x)
+        assert PRODUCT_PATHS.timings == timed + 2 and PRODUCT_PATHS.setting == "auto"
+
+
+@pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
+def test_forcing_one_row_class_leaves_the_others_timed(monkeypatch):
+    monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (fn(), 1.0)[1])
+    layer = Linear(48, 80, bias=False)
+    with torch.inference_mode():
+        layer(torch.randn(40, 48))                           # 17-128 rows: timed
+        PRODUCT_PATHS.force({"2-16": ONEDNN})
+        timed = PRODUCT_PATHS.timings
+        layer(torch.randn(40, 48))
+        layer(torch.randn(3, 48))
+    threads = torch.get_num_threads()
+    assert PRODUCT_PATHS.timings == timed                    # the 17-128 choice stood; 2-16 was forced
+    assert PRODUCT_PATHS.choices()[f"80x48 float32 2-16 rows {threads} threads"] == ONEDNN
+    assert PRODUCT_PATHS.setting == "2-16 rows: onednn"
+    with PRODUCT_PATHS.forced(MKL):                          # for a block (a job), then back
+        assert PRODUCT_PATHS.setting == "mkl"
+    assert PRODUCT_PATHS.setting == "2-16 rows: onednn"
+
+
+@pytest.mark.parametrize("how, message", [
+    ("fast", "cpu_products must be one of auto, mkl, onednn, numpy, native, got 'fast'"),
+    ({"2-17": MKL}, "no row class '2-17': the row classes are 1, 2-16, 17-128, 129+"),
+    ({"1": "blas"}, "row class 1: no path 'blas'; the paths are mkl, onednn, numpy, native"),
+    ({"2-16": NATIVE}, "row class 2-16: native takes one-row products only (row class 1)"),
+])
+def test_forcing_refuses_what_is_not_a_path_in_one_message(how, message):
+    with pytest.raises(ValueError) as refused:
+        PRODUCT_PATHS.force(how)
+    assert str(refused.value) == message
+    assert PRODUCT_PATHS.setting == "auto"
+
+
+def test_forcing_a_path_that_cannot_run_here_says_why():
+    with PRODUCT_PATHS.without_native("no compiler here"):
+        with pytest.raises(ValueError, match=r"^cpu_products=native: native cannot run here: no native kernels "
+                                             r"\(no compiler here\)$"):
+            PRODUCT_PATHS.force(NATIVE)
+    assert PRODUCT_PATHS.setting == "auto"

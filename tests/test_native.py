@@ -5,7 +5,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,9 @@ from ablate.model.native import build as native_build
 from ablate.model.config import preset
 from ablate.model.linear import PACKABLE, Linear
 from ablate.model.llama import LlamaModel, RMSNorm
+from ablate.model.product_paths import MKL, NATIVE, PRODUCT_PATHS
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"no native kernels: {native.unavailable_reason()}")
-
-
-@pytest.fixture
-def fresh_choices(monkeypatch):
-    """Path choices made afresh, among the layers a test makes."""
-    monkeypatch.setattr(linear, "_paths", {})
-    monkeypatch.setattr(numpy_blas, "on_numpy", {})
-    monkeypatch.setattr(linear, "_live", weakref.WeakSet())
 
 
 @pytest.fixture
@@ -236,7 +228,7 @@ def test_processes_building_at_once_never_load_half_a_library(start_with, unbuil
 
 
 @pytest.mark.parametrize("why", ["no compiler", "switched off"])
-def test_without_the_kernels_products_and_norms_take_torchs_paths(why, unbuilt, fresh_choices, monkeypatch):
+def test_without_the_kernels_products_and_norms_take_torchs_paths(why, unbuilt, fresh_product_paths, monkeypatch):
     monkeypatch.setenv("CC", str(unbuilt / "no-such-cc"))
     with native.LIBRARY.switched_off("off for this test") if why == "switched off" else contextlib.nullcontext():
         assert not native.available()
@@ -246,8 +238,8 @@ def test_without_the_kernels_products_and_norms_take_torchs_paths(why, unbuilt, 
         x = torch.randn(1, model.config.d_model)
         with torch.inference_mode():
             got = model.layers[0].mlp(model.layers[0].mlp_norm(x))
-        assert linear.linear_paths()["native kernels"] == reason
-        assert linear.NATIVE not in linear.linear_paths().values()
+        assert PRODUCT_PATHS.choices()["native kernels"] == reason
+        assert NATIVE not in PRODUCT_PATHS.choices().values()
     mlp = model.layers[0].mlp
     h = F.rms_norm(x, x.shape[-1:], model.layers[0].mlp_norm.weight, model.config.norm_eps)
     gate, up = F.linear(h, mlp.w_gate_up.weight).split(mlp.d_ff, dim=-1)
@@ -256,7 +248,7 @@ def test_without_the_kernels_products_and_norms_take_torchs_paths(why, unbuilt, 
 
 @needs_native
 @pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
-def test_where_the_kernel_wins_it_runs_every_layer_of_the_shape(fresh_choices, monkeypatch):
+def test_where_the_kernel_wins_it_runs_every_layer_of_the_shape(fresh_product_paths, monkeypatch):
     """The clock says native: every layer of the shape runs on it, on W packed into its layout; the
     weights themselves are untouched, and the copies packed for oneDNN's timing are given back."""
     costs = iter([1.0, 1.0, 0.5])           # per shape: MKL, oneDNN, then native (numpy: not offered)
@@ -277,37 +269,34 @@ def test_where_the_kernel_wins_it_runs_every_layer_of_the_shape(fresh_choices, m
     assert calls == [1]
     assert all(torch.equal(m.weight, w) and m._packed is None and m._native_packed is not None
                for m, w in zip(layers, want))
-    assert linear.linear_paths()[f"80x48 float32 1 rows {torch.get_num_threads()} threads"] == linear.NATIVE
+    assert PRODUCT_PATHS.choices()[f"80x48 float32 1 rows {torch.get_num_threads()} threads"] == NATIVE
     torch.testing.assert_close(got, F.linear(x, want[1], layers[1].bias), atol=1e-5, rtol=1e-5)
 
 
 @needs_native
-def test_a_batch_1_decode_on_the_kernels_gives_torchs_tokens(ablate_registry, monkeypatch):
-    """Through the engine: every one-token product on the native kernel (and RMSNorm on its own)
-    gives the greedy tokens of torch's paths."""
+def test_a_batch_1_decode_on_the_kernels_gives_torchs_tokens(ablate_registry, fresh_product_paths, monkeypatch):
+    """Through the engine, forced (cpu_products=native): every one-token product on the native kernel
+    (and RMSNorm on its own) gives the greedy tokens of torch's paths."""
     from ablate.api.context import EngineConfig
     from ablate.api.sequence import Request
     from ablate.testing.scenarios import build
 
     model = LlamaModel.random(preset("tiny"))
-    threads = torch.get_num_threads()
-    products = {(*m.weight.shape, torch.float32, 0, threads) for m in model.modules() if isinstance(m, Linear)}
 
-    def tokens(path: str | None) -> list[int]:
-        monkeypatch.setattr(linear, "_paths", {key: path for key in products} if path else {})
-        monkeypatch.setattr(numpy_blas, "on_numpy", {(torch.float32, threads): False})
+    def tokens(path: str) -> list[int]:
+        PRODUCT_PATHS.force(path)
         built = build(ablate_registry, {"kv_cache": "contiguous", "attention": "sdpa"}, model, EngineConfig(), 64)
         try:
             return built.engine.run([Request(0, tuple(range(3, 19)), 12)])[0].output_token_ids
         finally:
             built.close()
 
-    with native.LIBRARY.switched_off("off"):
-        want = tokens(linear.MKL)
+    with PRODUCT_PATHS.without_native("off"):
+        want = tokens(MKL)
     calls = []
     kernel = native.matvec
     monkeypatch.setattr(native, "matvec", lambda *args: calls.append(1) or kernel(*args))
-    assert tokens(linear.NATIVE) == want
+    assert tokens(NATIVE) == want
     # 11 decode steps, and the prefill's logits (of its last token only: one row)
     assert len(calls) == 11 * len([m for m in model.modules() if isinstance(m, Linear)]) + 1
 

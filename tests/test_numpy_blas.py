@@ -1,7 +1,6 @@
 """One-row products on numpy's BLAS (ablate/model/linear.py, ablate/model/numpy_blas.py): chosen by
-timing every shape at once, on the faster layout, and run in steps that lend numpy the cores."""
-import weakref
-
+timing every shape at once, on the faster layout, and run in steps that lend numpy the cores
+(PRODUCT_PATHS.one_row_step)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,17 +8,13 @@ import torch.nn.functional as F
 import ablate.model.linear as linear
 from ablate.model import native, numpy_blas
 from ablate.model.linear import PACKABLE, Linear
+from ablate.model.product_paths import MKL, NUMPY, PRODUCT_PATHS
 
-pytestmark = pytest.mark.skipif(torch.float32 not in PACKABLE or not numpy_blas.blas_threads(torch.get_num_threads()),
-                                reason="oneDNN cannot pack on this CPU, or numpy's BLAS is not one threadpoolctl knows")
-
-
-@pytest.fixture(autouse=True)
-def only_these_layers(monkeypatch):
-    """Choices made afresh, among the layers a test makes (not every Linear alive in the process)."""
-    monkeypatch.setattr(linear, "_paths", {})
-    monkeypatch.setattr(numpy_blas, "on_numpy", {})
-    monkeypatch.setattr(linear, "_live", weakref.WeakSet())
+pytestmark = [
+    pytest.mark.skipif(torch.float32 not in PACKABLE or not numpy_blas.blas_threads(torch.get_num_threads()),
+                       reason="oneDNN cannot pack on this CPU, or numpy's BLAS is not one threadpoolctl knows"),
+    # choices made afresh, among the layers a test makes (not every Linear alive in the process)
+    pytest.mark.usefixtures("fresh_product_paths")]
 
 
 @pytest.fixture
@@ -85,13 +80,14 @@ def test_numpy_wins_every_one_row_product_when_its_total_is_faster(clock):
     x = torch.randn(1, 48)
     with torch.inference_mode():
         layers[0](x)                               # the first one-row product: every shape is timed
-        assert numpy_blas.on_numpy == {(torch.float32, threads): True}
-        assert linear.linear_paths() == {f"80x48 float32 1 rows {threads} threads": "onednn",
-                                         f"48x80 float32 1 rows {threads} threads": "onednn",
-                                         f"one-row steps float32 {threads} threads": "numpy",
-                                         "native kernels": native.unavailable_reason() or "built"}
+        assert PRODUCT_PATHS.lends_one_row(torch.float32, threads)
+        assert PRODUCT_PATHS.choices() == {f"80x48 float32 1 rows {threads} threads": "onednn",
+                                           f"48x80 float32 1 rows {threads} threads": "onednn",
+                                           f"one-row steps float32 {threads} threads": "numpy",
+                                           "native kernels": native.unavailable_reason() or "built",
+                                           "cpu_products": "auto"}
         products.clear()
-        with numpy_blas.one_row_step(1, layers[0].weight):
+        with PRODUCT_PATHS.one_row_step(1, layers[0].weight):
             assert torch.get_num_threads() == 1    # torch's own operations on the calling thread
             got = layers[2](layers[0](x))
         assert torch.get_num_threads() == threads
@@ -99,7 +95,7 @@ def test_numpy_wins_every_one_row_product_when_its_total_is_faster(clock):
         torch.testing.assert_close(got, F.linear(F.linear(x, layers[0].weight, layers[0].bias), layers[2].weight),
                                    atol=1e-5, rtol=1e-5)
         products.clear()
-        with numpy_blas.one_row_step(4, layers[0].weight):      # not a one-row step: nothing lent
+        with PRODUCT_PATHS.one_row_step(4, layers[0].weight):   # not a one-row step: nothing lent
             assert torch.get_num_threads() == threads
         layers[0](x)                               # a one-row product outside such a step: torch's path
         assert products == {"onednn": 1}
@@ -111,11 +107,11 @@ def test_torch_keeps_one_row_products_when_numpy_is_slower_in_total(clock):
     layers = layers_of_two_shapes()
     with torch.inference_mode():
         layers[0](torch.randn(1, 48))
-        assert numpy_blas.on_numpy == {(torch.float32, torch.get_num_threads()): False}
+        assert not PRODUCT_PATHS.lends_one_row(torch.float32, torch.get_num_threads())
         assert all(m._numpy_wt is None for m in layers)         # numpy's arrays given back
         assert all(m._native_packed is None for m in layers)    # and the losing native kernel's copies
         threads = torch.get_num_threads()
-        with numpy_blas.one_row_step(1, layers[0].weight):
+        with PRODUCT_PATHS.one_row_step(1, layers[0].weight):
             assert torch.get_num_threads() == threads
             products.clear()
             layers[0](torch.randn(1, 48))
@@ -131,7 +127,7 @@ def test_numpy_keeps_the_faster_layout(clock):
         m.input_major()
     with torch.inference_mode():
         layers[0](torch.randn(1, 48))
-        with numpy_blas.one_row_step(1, layers[0].weight):
+        with PRODUCT_PATHS.one_row_step(1, layers[0].weight):
             layers[0](torch.randn(1, 48))
     assert layers[0]._numpy_rows and layers[2]._numpy_rows
     assert torch.from_numpy(layers[0]._numpy_wt).data_ptr() != layers[0].weight.data_ptr()   # the copy
@@ -145,14 +141,14 @@ def test_no_numpy_without_a_blas_to_bind(clock, monkeypatch):
     layers = layers_of_two_shapes()
     with torch.inference_mode():
         layers[0](torch.randn(1, 48))
-    assert numpy_blas.on_numpy == {(torch.float32, torch.get_num_threads()): False}
+    assert PRODUCT_PATHS.choices()[f"one-row steps float32 {torch.get_num_threads()} threads"] == "torch"
     assert not any(name.startswith("numpy") for name in products)
 
 
 def test_a_batch_1_decode_step_runs_its_products_on_numpy(ablate_registry, monkeypatch):
-    """Through the engine (KV cache on: one token a decode step): with numpy chosen, every product of a
-    one-token step runs on it with torch on one thread (the prefill keeps torch's paths and threads),
-    and the greedy tokens are those of torch's paths."""
+    """Through the engine (KV cache on: one token a decode step): with numpy forced (cpu_products=numpy),
+    every product of a one-token step runs on it with torch on one thread (the prefill keeps torch's
+    paths and threads), and the greedy tokens are those of torch's paths."""
     from ablate.api.context import EngineConfig
     from ablate.api.sequence import Request
     from ablate.model.config import preset
@@ -169,9 +165,9 @@ def test_a_batch_1_decode_step_runs_its_products_on_numpy(ablate_registry, monke
         finally:
             built.close()
 
-    numpy_blas.on_numpy[torch.float32, threads] = False
+    PRODUCT_PATHS.force(MKL)
     want = tokens()
-    numpy_blas.on_numpy[torch.float32, threads] = True
+    PRODUCT_PATHS.force(NUMPY)
     lent = []
     numpy = Linear._numpy
     monkeypatch.setattr(Linear, "_numpy", lambda self, x: lent.append(torch.get_num_threads()) or numpy(self, x))
@@ -179,6 +175,7 @@ def test_a_batch_1_decode_step_runs_its_products_on_numpy(ablate_registry, monke
     products_per_step = sum(isinstance(m, Linear) for m in model.modules())
     assert len(lent) == 11 * products_per_step and set(lent) == {1}     # 11 decode steps after the prefill
     assert torch.get_num_threads() == threads
+    assert PRODUCT_PATHS.choices()[f"one-row steps float32 {threads} threads"] == NUMPY
 
 
 @pytest.mark.parametrize("why", ["switched off", "numpy loaded first"])

@@ -13,7 +13,7 @@ from ablate.api.slots import Attention
 from ablate.api.step import Batch, StepInputs, StepLogits, device_tensor
 from ablate.engine.graphs import DecodeGraphs, graph_mode, why_not_capturable
 from ablate.model.forward import Forward
-from ablate.model.numpy_blas import one_row_step
+from ablate.model.product_paths import one_row_step
 from ablate.model.llama import LlamaModel
 
 

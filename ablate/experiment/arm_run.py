@@ -25,8 +25,9 @@ from ablate.measure.memory import TensorMemoryTracker, cuda_peak_since, resident
 from ablate.measure.metrics import ArmRun, request_table, roofline, summarise
 from ablate.measure.quality import runner_perplexity
 from ablate.measure.recorder import Recorder
-from ablate.model.linear import copy_bytes, path_timings
+from ablate.model.linear import copy_bytes
 from ablate.model.llama import LlamaModel
+from ablate.model.product_paths import PRODUCT_PATHS
 
 
 def expects_baseline_tokens(arm: Arm, baseline: Arm, registry: Registry) -> bool:
@@ -101,13 +102,13 @@ def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: E
         tracker = TensorMemoryTracker() if track_memory and device.type != "cuda" else contextlib.nullcontext()
         kv_reserved_before = built.kv_cache.bytes_reserved()
         gc.collect()
-        compiled_before, timed_before = kernel_compiles(), path_timings()
+        compiled_before, timed_before = kernel_compiles(), PRODUCT_PATHS.timings
         start = clock.now(device)
         with tracker:
             seqs = built.engine.run(requests)
         wall = clock.now(device) - start
         row: dict[str, Any] = {"wall_s": wall, "kernel_compiles": kernel_compiles() - compiled_before,
-                               "path_timings": path_timings() - timed_before}
+                               "path_timings": PRODUCT_PATHS.timings - timed_before}
         if record:
             rec = recorders[0]
             row |= summarise(rec)

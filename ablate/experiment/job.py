@@ -39,8 +39,8 @@ from ablate.measure import cpu_policy
 from ablate.measure import device as dev
 from ablate.measure import hardware
 from ablate.model.config import resolve_dtype
-from ablate.model.linear import linear_paths
 from ablate.model.llama import LlamaModel
+from ablate.model.product_paths import PRODUCT_PATHS
 from ablate.report.ablation import decode_modes, wandb_extras
 from ablate.report.console import job_prefix, kept_warnings
 from ablate.report.declared import FILE as DECLARATIONS_FILE
@@ -176,7 +176,7 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
             result = run_experiment(cfg.experiment, plan.arms, loader, cfg.workload, cfg.engine, registry, peaks,
                                     progress=say, done=done, on_round=keep, kv_free_bytes=free_bytes)
         keep(result.runs, result.requests)
-        env["linear_paths"] = linear_paths()      # the CPU product paths timed during the run, recorded
+        env["linear_paths"] = PRODUCT_PATHS.choices()    # the CPU product paths of the run, recorded
         if device.type == "cpu":
             env["huge_pages"] = dev.huge_pages()
         folder.write_text("environment.json", json.dumps(env, indent=2, default=str))

@@ -48,11 +48,9 @@ AVX-NE-CONVERT) and `ABLATE_PACKED_LINEAR=0` use plain F.linear.
 """
 from __future__ import annotations
 
-import bisect
 import os
 import statistics
 import time
-import weakref
 
 import numpy as np
 import torch
@@ -60,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ablate.model import native, numpy_blas
+from ablate.model.product_paths import MKL, NATIVE, ONEDNN, PRODUCT_PATHS, row_class
 
 
 def _packable_dtypes() -> tuple[torch.dtype, ...]:
@@ -71,38 +70,8 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
 
 
 PACKABLE = _packable_dtypes()
-MKL, ONEDNN, NUMPY, NATIVE = "mkl", "onednn", "numpy", "native"
-_paths: dict[tuple, str] = {}    # (d_out, d_in, dtype, row class, threads) -> the faster path, timed once
-ROW_CLASSES = (1, 16, 128)       # upper bounds: 1 row, 2-16, 17-128, more
 MAX_TIMED_LAYERS = 64            # the most layers of one shape a path is timed over
 STREAMED_CLASS = 1               # row classes up to this one (<= 16 rows) are bound by reading W
-_live: weakref.WeakSet[Linear] = weakref.WeakSet()    # every Linear alive: the layers a choice is timed on
-_timings = [0]                   # _time_paths calls so far (path_timings)
-
-
-def row_class(rows: int) -> int:
-    """The class of a product's row count whose path is timed on its own: an index into ROW_CLASSES
-    (one past its end for more rows). A bisection: this runs for every product of every step."""
-    return bisect.bisect_left(ROW_CLASSES, rows)
-
-
-def row_class_name(index: int) -> str:
-    """'1', '2-16', '17-128', '129+'."""
-    low = 1 if index == 0 else ROW_CLASSES[index - 1] + 1
-    if index == len(ROW_CLASSES):
-        return f"{low}+"
-    high = ROW_CLASSES[index]
-    return str(high) if low == high else f"{low}-{high}"
-
-
-def linear_paths() -> dict[str, str]:
-    """The paths chosen in this process, for the results: "d_out x d_in dtype R rows threads" -> path,
-    and whether one-row steps lend their products to numpy's BLAS (one_row_step)."""
-    paths = {f"{o}x{i} {str(dtype).removeprefix('torch.')} {row_class_name(rows)} rows {threads} threads": path
-             for (o, i, dtype, rows, threads), path in sorted(_paths.items(), key=str)}
-    steps = {f"one-row steps {str(dtype).removeprefix('torch.')} {threads} threads": NUMPY if on else "torch"
-             for (dtype, threads), on in sorted(numpy_blas.on_numpy.items(), key=str)}
-    return paths | steps | {"native kernels": native.state()}
 
 
 def copy_bytes(model: nn.Module) -> int:
@@ -133,8 +102,8 @@ def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
 
 
 class Linear(nn.Linear):
-    """y = x W^T + b; on the CPU through MKL, a oneDNN-packed W or numpy's BLAS, whichever is fastest
-    here (see the module docstring)."""
+    """y = x W^T + b; on the CPU through MKL, a oneDNN-packed W, numpy's BLAS or the native kernel,
+    whichever is fastest here or forced (see the module docstring)."""
 
     _packed: torch.Tensor | None = None
     _packed_key: tuple[int, int] | None = None
@@ -146,7 +115,7 @@ class Linear(nn.Linear):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        _live.add(self)
+        PRODUCT_PATHS.add_layer(self)
 
     def input_major(self) -> None:
         """Lay W out as W^T contiguous (see the module docstring); values and shape unchanged."""
@@ -165,25 +134,36 @@ class Linear(nn.Linear):
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in PACKABLE or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
-        lent = numpy_blas.lent_threads()
+        lent = PRODUCT_PATHS.lent
         if lent is not None and x.numel() == x.shape[-1]:
             return self._numpy(x)                          # a one-row step lent to numpy's BLAS
         threads = lent or torch.get_num_threads()
         key = (*w.shape, w.dtype, row_class(x.numel() // x.shape[-1]), threads)
-        path = _paths.get(key)
-        if path is None:       # the first product of its kind: time the paths, keep the faster
-            if key[3] == 0 and (w.dtype, threads) not in numpy_blas.on_numpy:
-                _choose_one_row(w.dtype, threads)          # every live shape's one-row path at once
-            path = _paths.get(key) or self._faster_path(x, streamed=key[3] <= STREAMED_CLASS)
-            _paths[key] = path
+        path = PRODUCT_PATHS.path_for(key) or self._choose(key, x)
         if path == NATIVE:
             return self._native(x, threads)
         return F.linear(x, w, self.bias) if path == MKL else self._onednn(x)
 
+    def _choose(self, key: tuple, x: torch.Tensor) -> str:
+        """The path for the first product of its kind (`key`): the forced one where it takes the product,
+        else the fastest, timed now (one-row products: every live shape's at once, _choose_one_row)."""
+        dtype, rows, threads = key[2:]
+        forced = PRODUCT_PATHS.forced_path(rows)
+        if forced in (MKL, ONEDNN) or (forced == NATIVE and dtype == torch.float32 and native.available()):
+            path = forced
+        else:
+            if rows == 0 and not PRODUCT_PATHS.one_row_known(dtype, threads):
+                _choose_one_row(dtype, threads)
+            path = PRODUCT_PATHS.path_for(key) or self._faster_path(x, streamed=rows <= STREAMED_CLASS)
+        PRODUCT_PATHS.keep(key, path)
+        if rows == 0 and forced is not None:               # recorded: no timing decided it
+            PRODUCT_PATHS.keep_one_row(dtype, threads, PRODUCT_PATHS.lends_one_row(dtype, threads))
+        return path
+
     def _same_shape(self) -> list[Linear]:
         """This layer and every other live one of its shape, dtype, device and bias (up to MAX_TIMED_LAYERS)."""
         w = self.weight
-        return [self] + [m for m in list(_live) if m is not self and m.weight.shape == w.shape
+        return [self] + [m for m in PRODUCT_PATHS.layers() if m is not self and m.weight.shape == w.shape
                          and m.weight.dtype == w.dtype and m.weight.device == w.device
                          and (m.bias is None) == (self.bias is None)][:MAX_TIMED_LAYERS - 1]
 
@@ -219,15 +199,10 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
-def path_timings() -> int:
-    """Product-path timings run so far in this process: a run that times one has the timing in its time."""
-    return _timings[0]
-
-
 def _time_paths(layers: list[Linear], x: torch.Tensor) -> tuple[str, float]:
     """The fastest path for `x` through `layers`, and its time: MKL, oneDNN, or for one fp32 row the
     native kernel. A losing oneDNN or native kernel gives back the copies packed for its timing."""
-    _timings[0] += 1
+    PRODUCT_PATHS.timed()
     packed_before = {id(m) for m in layers if m._packed is not None}
     seconds = {MKL: _median_seconds(lambda: [F.linear(x, m.weight, m.bias) for m in layers]),
                ONEDNN: _median_seconds(lambda: [m._onednn(x) for m in layers])}
@@ -249,7 +224,7 @@ def _choose_one_row(dtype: torch.dtype, threads: int) -> None:
     native kernel. The two cannot mix in one step, so the totals decide; numpy is timed as it would
     run, with torch on one thread."""
     shapes = {}                # one layer per shape: the timing runs through every live layer of it
-    for m in list(_live):
+    for m in PRODUCT_PATHS.layers():
         if m.weight.device.type == "cpu" and m.weight.dtype == dtype:
             shapes.setdefault((*m.weight.shape, m.bias is None), m)
     inputs = {layer: torch.randn(1, layer.in_features, dtype=dtype, device="cpu") for layer in shapes.values()}
@@ -260,9 +235,9 @@ def _choose_one_row(dtype: torch.dtype, threads: int) -> None:
         with numpy_blas.torch_threads(1):
             numpy_seconds = sum(_numpy_layout(layer._same_shape(), x) for layer, x in inputs.items())
         on_numpy = numpy_seconds < sum(seconds for _, seconds in timed.values())
-    numpy_blas.on_numpy[dtype, threads] = on_numpy
-    for layer, (path, _) in timed.items():
-        _paths[(*layer.weight.shape, dtype, 0, threads)] = path    # one-row products outside such a step
+    PRODUCT_PATHS.keep_one_row(dtype, threads, on_numpy)
+    for layer, (path, _) in timed.items():      # torch's path: for one-row products outside such a step
+        PRODUCT_PATHS.keep((*layer.weight.shape, dtype, 0, threads), path)
         if not on_numpy:
             for m in layer._same_shape():
                 m._numpy_wt = m._numpy_key = None

@@ -38,16 +38,14 @@ from typing import Any
 
 import pandas as pd
 
-from ablate.analysis.devices import (DEVICES, SERVER_SYNTAX, THIS_MACHINE, DeviceSpec, ServerSpec, parse_server,
-                                     server_spec, this_machine)
+from ablate.analysis.devices import DEVICES, SERVER_SYNTAX, THIS_MACHINE, DeviceSpec, ServerSpec, parse_server
 from ablate.analysis.intensity import TRAINING, intensity_rows
 from ablate.analysis.model_costs import PUBLISHED_PARAMS, ModelCosts, PublishedParams, model_costs
 from ablate.analysis.servers import ServerCosts, server_row
 from ablate.model.config import DTYPES
 
 __all__ = ["DEVICES", "PUBLISHED_PARAMS", "SERVERS", "THIS_MACHINE", "CostsConfig", "DeviceSpec", "ModelCosts",
-           "PublishedParams", "ServerSpec", "cost_tables", "model_costs", "printed_intensity_table", "printed_table",
-           "resolve_devices", "this_machine"]
+           "PublishedParams", "ServerSpec", "cost_tables", "model_costs", "printed_intensity_table", "printed_table"]
 
 SERVERS = ["4xa100-80gb", "8xh100-sxm", "8xh200"]      # the default multi-device servers
 
@@ -155,9 +153,3 @@ def printed_intensity_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
         row[f"{phase} b={r.batch}"] = f"{value:.3g}{mark} ({r.mfu_ceiling:.1%})" if value < 100 else \
             f"{value:.0f}{mark} ({r.mfu_ceiling:.0%})"
     return pd.DataFrame(list(out.values()))
-
-
-def resolve_devices(config: CostsConfig, bandwidth: float = 0.0, flops: float = 0.0) -> dict[str, ServerSpec]:
-    """config.devices -> servers (a single device is a server of one); this-machine measured or given."""
-    mine = this_machine(DTYPES[config.dtype], bandwidth, flops) if THIS_MACHINE in config.devices else None
-    return {key: server_spec(key, mine) for key in config.devices}

@@ -2,7 +2,7 @@
 
 A device is one accelerator (DEVICES: dense 16-bit FLOP/s, no sparsity; memory in 10^9-byte GB as
 datasheets count) or this machine (bandwidth and matmul FLOP/s measured by
-ablate.measure.hardware.peaks, or given; RAM as memory). A server is N identical devices named
+ablate.measure.hardware.peaks, or given; RAM as memory: ablate.measure.cost_devices.this_machine). A server is N identical devices named
 `<N>x<device>` (`4xa100-80gb`, `8xh100-sxm`, `8xh200`); a bare device name is a server of one.
 What the server holds and reads is worked out in ablate/analysis/servers.py (tensor parallelism).
 """
@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-import psutil
-import torch
 
 THIS_MACHINE = "this-machine"
 SERVER_SYNTAX = "<N>x<device>, N a positive integer (4xa100-80gb), or a device alone"
@@ -84,10 +81,3 @@ def server_spec(name: str, this_machine_spec: DeviceSpec | None = None) -> Serve
         return ServerSpec(this_machine_spec, 1)
     return ServerSpec(DEVICES[key], count)
 
-
-def this_machine(dtype: torch.dtype, bandwidth: float = 0.0, flops: float = 0.0) -> DeviceSpec:
-    """The CPU this runs on: bandwidth and matmul FLOP/s measured (cached) or given, RAM as memory."""
-    from ablate.measure import hardware
-    peaks = hardware.peaks(torch.device("cpu"), dtype, bandwidth, flops)
-    return DeviceSpec("this machine (CPU)", peaks.bandwidth_bytes_s, peaks.flops,
-                      float(psutil.virtual_memory().total), f"ablate.measure.hardware.peaks ({peaks.source}); RAM from psutil")

@@ -6,10 +6,10 @@ from typing import Any
 
 import pandas as pd
 
-from ablate.analysis.costs import (PUBLISHED_PARAMS, CostsConfig, cost_tables, printed_intensity_table, printed_table,
-                                   resolve_devices)
+from ablate.analysis.costs import PUBLISHED_PARAMS, CostsConfig, cost_tables, printed_intensity_table, printed_table
 from ablate.analysis.intensity import TRAINING_FLOPS_PER_PARAM, TRAINING_WEIGHT_READS
 from ablate.experiment.config import RunConfig
+from ablate.measure.cost_devices import resolve_devices
 from ablate.report.table_run import store_tables
 from ablate.results import RunFolder
 

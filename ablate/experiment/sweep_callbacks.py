@@ -33,7 +33,7 @@ PEAK_KEYS = ("device", "threads", "peak_bandwidth", "peak_flops", "model", "expe
 def peak_targets(config: DictConfig) -> tuple[str, str, float, float] | None:
     """(device, dtype name, given bandwidth, given FLOP/s) a job of this config asks peaks for; None: none."""
     bandwidth, flops = float(config.get("peak_bandwidth") or 0), float(config.get("peak_flops") or 0)
-    if OmegaConf.select(config, "experiment.kind", default="") == "costs":   # ablate.analysis.costs.this_machine
+    if OmegaConf.select(config, "experiment.kind", default="") == "costs":   # ablate.measure.cost_devices.this_machine
         if "this-machine" not in list(OmegaConf.select(config, "costs.devices", default=[]) or []):
             return None
         return "cpu", str(config.costs.dtype), bandwidth, flops

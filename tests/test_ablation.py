@@ -7,12 +7,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from ablate.analysis.ablation_plan import ARMS_TABLE, OverrideConflict, arm_spec, parse_ablation, plan
 from ablate.analysis.contributions import contributions, interacts
 from ablate.api.plugin import Slot
 from ablate.engine.arm import baseline_configs
 from ablate.experiment import job
-from ablate.experiment.ablation import (ARMS_TABLE, OverrideConflict, arm_spec, arm_table, parse_ablation, plan,
-                                        plan_arms)
+from ablate.experiment.ablation import arm_table, plan_arms
 from ablate.experiment.config import ExperimentConfig
 from ablate.experiment.job import run_job
 from ablate.report.ablation import section

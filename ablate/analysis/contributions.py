@@ -1,4 +1,4 @@
-"""What each technique of an ablation buys, from the measured arms (ablate.experiment.ablation
+"""What each technique of an ablation buys, from the measured arms (ablate.analysis.ablation_plan
 plans them).
 
 Contributions, per metric m and round r (every arm runs once per round, interleaved, so arms of one
@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from ablate.analysis.stats import log_interval
-from ablate.experiment.ablation import AblationConfig, set_name
+from ablate.analysis.ablation_plan import AblationConfig, set_name
 
 # the metrics a contribution is reported for: column of runs.csv -> (label, higher is better)
 METRICS: dict[str, tuple[str, bool]] = {

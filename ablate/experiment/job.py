@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
+from ablate.analysis.ablation_plan import ARMS_TABLE
 from ablate.checkpoints.loader import load_model
 from ablate.engine.arm import Arm
 from ablate.engine.registry import Registry
-from ablate.experiment.ablation import ARMS_TABLE
 from ablate.experiment.baseline_failure import KEY as BASELINE_FAILED
 from ablate.experiment.baseline_failure import baseline_failure
 from ablate.experiment.config import RunConfig, to_run_config

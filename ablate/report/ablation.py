@@ -2,7 +2,7 @@
 
 Everything is computed from the run folder (config.json, ablation_arms.csv) and the runs table, so
 `python -m ablate.report.page <path>` rebuilds it exactly as the run wrote it. The arithmetic and its
-rules are in ablate/experiment/ablation.py and ablate/analysis/contributions.py.
+rules are in ablate/analysis/ablation_plan.py and ablate/analysis/contributions.py.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
+from ablate.analysis.ablation_plan import ARMS_TABLE, AblationConfig, parse_ablation  # noqa: E402
 from ablate.analysis.contributions import METRICS, contributions  # noqa: E402
-from ablate.experiment.ablation import ARMS_TABLE, AblationConfig, parse_ablation  # noqa: E402
 from ablate.results import write_file_atomic  # noqa: E402
 
 CONTRIBUTIONS_TABLE = "ablation"      # contributions(): technique x metric x kind

@@ -10,7 +10,7 @@ from ablate.book.claims import (DIFFERS, EXACT, MEASURED, NOT_RUN, ROUNDED, VERD
                                 in_bytes, judge, verdict_counts)
 from ablate.book.config import BookConfig
 from ablate.book.evidence import Evidence
-from ablate.book.job import book_tables, report_text
+from ablate.experiment.book_job import book_tables, report_text
 from ablate.book.sections import SECTIONS, section_claims
 from ablate.cli import book_arguments
 

@@ -161,7 +161,7 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
             run_costs_job(cfg, raw, folder)
             return folder
         if cfg.experiment.kind == "book":     # the chapter's claims: computed, measured briefly, or read from runs
-            from ablate.book.job import run_book_job
+            from ablate.experiment.book_job import run_book_job
             run_book_job(cfg, raw, folder, device)
             return folder
 

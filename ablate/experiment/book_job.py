@@ -1,5 +1,6 @@
-"""`python -m ablate book [section=7.3]`: the chapter's claims, one table per section, stored and
-logged like an experiment's results (claims.csv, verdicts.csv, report.md, W&B)."""
+"""A job of experiment.kind=book (`python -m ablate book [section=7.3]`): the chapter's claims
+(ablate.book), one table per section, stored and logged like an experiment's results (claims.csv,
+verdicts.csv, report.md, W&B)."""
 from __future__ import annotations
 
 from typing import Any

@@ -12,9 +12,16 @@ import os
 import sys
 import warnings
 
+from ablate import process_env
 from ablate.measure import cpu_policy
 
-# before torch loads (the registry imports it): OpenMP reads how its threads wait only then
+# Before torch and numpy load (the registry imports them), since each reads its setting only then:
+# large CPU tensors on huge pages (PyTorch's allocator, at its first allocation: a decode step streams
+# every weight once), numpy's OpenBLAS workers' spinning bounded (when numpy loads: one-row steps lent
+# to numpy's BLAS must not leave its workers spinning into torch's next step), and how OpenMP's threads
+# wait (when torch loads it). What the environment sets wins; every run records them (environment.json:
+# process_env, cpu_policy). ablate/process_env.py says more; `import ablate` itself sets nothing.
+process_env.apply()
 cpu_policy.prepare()
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402

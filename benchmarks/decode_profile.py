@@ -21,7 +21,10 @@ arithmetic rate (2 flops per weight per row).
 """
 from __future__ import annotations
 
-import ablate  # noqa: F401  (first: it bounds numpy's BLAS workers' spinning before numpy loads)
+from ablate import process_env
+
+process_env.apply()     # first, before torch and numpy load, as the CLI does: huge pages, numpy's spinning bounded
+
 import argparse
 import contextlib
 from pathlib import Path

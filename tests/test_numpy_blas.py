@@ -10,9 +10,9 @@ from ablate.model import native, numpy_blas
 from ablate.model.linear import PACKABLE, Linear
 from ablate.model.product_paths import MKL, NUMPY, PRODUCT_PATHS
 
-pytestmark = [
-    pytest.mark.skipif(torch.float32 not in PACKABLE or not numpy_blas.blas_threads(torch.get_num_threads()),
-                       reason="oneDNN cannot pack on this CPU, or numpy's BLAS is not one threadpoolctl knows"),
+pytestmark = [       # the tests run torch on one thread (conftest.py): numpy's BLAS too, where nothing spins
+    pytest.mark.skipif(torch.float32 not in PACKABLE or numpy_blas.unavailable_reason(1) is not None,
+                       reason=f"oneDNN cannot pack on this CPU, or {numpy_blas.unavailable_reason(1)}"),
     # choices made afresh, among the layers a test makes (not every Linear alive in the process)
     pytest.mark.usefixtures("fresh_product_paths")]
 
@@ -178,15 +178,8 @@ def test_a_batch_1_decode_step_runs_its_products_on_numpy(ablate_registry, monke
     assert PRODUCT_PATHS.choices()[f"one-row steps float32 {threads} threads"] == NUMPY
 
 
-@pytest.mark.parametrize("why", ["switched off", "numpy loaded first"])
-def test_no_numpy_path_when_switched_off_or_when_its_workers_spin_unbounded(why, monkeypatch):
-    """ABLATE_NUMPY_LINEAR=0 turns the path off; so does a numpy loaded before ablate bounded its
-    workers' spinning (they would take the cores from torch's next steps)."""
-    import ablate
-
-    monkeypatch.setattr(numpy_blas, "_blas", None)
-    if why == "switched off":
-        monkeypatch.setenv("ABLATE_NUMPY_LINEAR", "0")
-    else:
-        monkeypatch.setattr(ablate, "NUMPY_SPIN_BOUNDED", False)
+def test_no_numpy_path_when_switched_off(monkeypatch):
+    """ABLATE_NUMPY_LINEAR=0 turns the path off (numpy's workers spinning unbounded:
+    tests/test_process_env.py)."""
+    monkeypatch.setenv("ABLATE_NUMPY_LINEAR", "0")
     assert not numpy_blas.blas_threads(torch.get_num_threads())

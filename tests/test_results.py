@@ -58,7 +58,8 @@ def test_composed_config_is_what_the_cli_hands_over(offline_job):
     assert env["device"] == "cpu" and env["versions"]["torch"] and env["device_identity"] == "cpu"
     assert set(env["tf32"]) == {"cuda_matmul_allow_tf32", "cudnn_allow_tf32", "float32_matmul_precision"}
     assert env["free_memory_bytes_at_start"] > 0
-    assert env["huge_pages"]["thp_mem_alloc_enable"] == "1"         # set by ablate/__init__.py, recorded
+    # run in-process, not from the CLI's start (ablate/process_env.py): the test process's own, recorded
+    assert env["huge_pages"]["thp_mem_alloc_enable"] == (env["process_env"]["THP_MEM_ALLOC_ENABLE"] or "")
     assert set(env["huge_pages"]) == {"policy", "thp_mem_alloc_enable", "process_bytes_on_huge_pages"}
     runs = load(folder.path).runs
     assert set(runs["dtype"]) == {"fp32"}

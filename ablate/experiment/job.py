@@ -35,9 +35,9 @@ from ablate.experiment.identity import KEY as IDENTITY_KEY
 from ablate.experiment.identity import measured_inputs, recorded_inputs, what_changed
 from ablate.experiment.plan import make_plan
 from ablate.experiment.run import ExperimentResult, run_experiment
-from ablate.measure import cpu_policy
+from ablate import process_env
+from ablate.measure import cpu_policy, hardware
 from ablate.measure import device as dev
-from ablate.measure import hardware
 from ablate.model.config import resolve_dtype
 from ablate.model.llama import LlamaModel
 from ablate.model.product_paths import PRODUCT_PATHS
@@ -142,7 +142,7 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
     free_bytes = dev.free_memory_bytes(device)
     peaks = _peaks(cfg, device, say)
     env = environment(dev.describe(device) | {"free_memory_bytes_at_start": free_bytes}) | {
-        "peaks": peaks.record() if peaks else None, IDENTITY_KEY: inputs}
+        "peaks": peaks.record() if peaks else None, IDENTITY_KEY: inputs, "process_env": process_env.record()}
     if device.type == "cpu":
         policy = cpu_policy.prepare()
         env["cpu_policy"] = policy.record() | {"threads": torch.get_num_threads()}

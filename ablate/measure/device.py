@@ -63,8 +63,8 @@ def describe(device: torch.device) -> dict[str, Any]:
 
 def huge_pages() -> dict[str, Any]:
     """Whether large CPU tensors sit on transparent huge pages: the kernel's policy, PyTorch's switch
-    (set by ablate/__init__.py) and the bytes of this process on them now (read after a run: its
-    weights and caches)."""
+    (set at the CLI's start: ablate/process_env.py) and the bytes of this process on them now (read
+    after a run: its weights and caches)."""
     policy = ""
     with contextlib.suppress(OSError):
         text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()

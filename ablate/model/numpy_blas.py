@@ -8,8 +8,9 @@ region the idle workers of one spin while the other's need the core. So a step w
 one row, when numpy carries them, lends the cores to numpy (ProductPaths.one_row_step,
 ablate/model/product_paths.py): torch's own operations (norms, RoPE, attention over a few hundred
 keys) run on the calling thread, and numpy's BLAS on as many threads as torch had. After such a step
-numpy's workers must not spin on into torch's next one: ablate/__init__.py bounds their spinning
-before numpy loads.
+numpy's workers must not spin on into torch's next one: the CLI bounds their spinning before numpy
+loads (ablate/process_env.py); where nothing did, numpy's BLAS takes products on one thread only,
+where no worker spins.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import os
 
 import torch
 
-import ablate
+from ablate import process_env
 
 _blas = None                  # threadpoolctl's handle on numpy's BLAS, made on first use (False: none)
 
@@ -50,9 +51,9 @@ def unavailable_reason(threads: int) -> str | None:
     """Why numpy's BLAS cannot take one-row steps at `threads` threads, or None."""
     if os.environ.get("ABLATE_NUMPY_LINEAR", "1") == "0":
         return "switched off (ABLATE_NUMPY_LINEAR=0)"
-    if not ablate.NUMPY_SPIN_BOUNDED:
-        return ("numpy was loaded before ablate bounded its BLAS workers' spinning (OPENBLAS_THREAD_TIMEOUT): "
-                "they would spin into torch's next steps")
+    if threads > 1 and not process_env.numpy_spin_bounded():
+        return ("numpy's BLAS workers spin unbounded (numpy loaded before OPENBLAS_THREAD_TIMEOUT was set: "
+                "ablate/process_env.py), and would take the cores from torch's next steps")
     if not _controller():
         return "numpy's threads cannot be set to torch's: no threadpoolctl, or a BLAS it does not know"
     return None

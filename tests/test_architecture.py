@@ -1,5 +1,6 @@
-"""The layout keeps its promises: plugins are built on ablate.api alone, the core's modules import
-each other in one direction (no cycles), and no module grows past what one reading takes."""
+"""The layout keeps its promises: plugins are built on ablate.api alone, the core's packages import
+each other in one direction (LAYERS, bottom to top) and its modules form no cycle, and no module grows
+past what one reading takes."""
 from __future__ import annotations
 
 import ast
@@ -74,6 +75,85 @@ def test_the_core_has_no_import_cycles():
     for name in sorted(graph):
         if name not in state and (cycle := cycle_from(name, [name])):
             pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+
+
+# The packages of ablate/, bottom to top: each imports only packages below it (at module level or
+# inside a function alike), so no two packages import each other. Why each sits where it does:
+LAYERS = {
+    "(leaves)": "the top-level modules but the CLI's (results.py, field_types.py, exit_status.py, preflight.py, "
+                "...): they import nothing of ablate",
+    "api": "the plugin contract: what every plugin, and the core, is built on",
+    "baselines": "the core's own plugins, built on ablate.api alone like any other",
+    "model": "the decoder: its attention and KV cache are reached through the contract's slots",
+    "checkpoints": "loaders build models from GGUF and Hugging Face files; tokenizers",
+    "workload": "requests and their text (tokenizers) and arrivals",
+    "engine": "the loop: runs a model with one arm's plugins over a workload; its hooks (StepHook), "
+              "the clock of ablate.api.clock; it knows no outside engine",
+    "analysis": "arithmetic on configs and tables: roofline, costs, statistics, the ablation's plan (whose "
+                "techniques are arm specs: ablate.engine.arm) and contributions; it measures nothing",
+    "measure": "measures the engine's runs (recorder, metrics, ArmRun, memory, quality, verify cost) and the "
+               "machine (peaks, CPU load), with the analysis's cost model",
+    "testing": "the conformance kit: builds arms and checks plugins with the engine's hooks and the measurements",
+    "outside": "outside engines as arms: resolved above the engine (outside.arms), measured into the same ArmRun",
+    "book": "the chapter's claims: evidence from the analysis, quick measurements and stored results",
+    "report": "renders runs: tables, figures, the page (with the book's chapter tables and the ablation's "
+              "contributions), compare, collect, W&B",
+    "experiment": "the typed config (it holds the report's W&B and the book's configs), arms and plans, the "
+                  "interleaved experiment, and the jobs of each kind (engine, costs, book)",
+    "cli": "python -m ablate (cli.py, __main__.py): parses, composes and runs a job",
+}
+# The only imports that go up, each with its reason. Plugins import ablate.api alone, so the model
+# toolkit they need is re-exported there; nothing in ablate/ imports these two, so they close no loop.
+FACADES = {
+    "ablate/api/model.py": "ablate.api.model, for plugins that build models: re-exports model, checkpoints "
+                           "(load_model), workload (calibration_text) and measure (sequence_logits)",
+    "ablate/api/native.py": "ablate.api.native, for plugins that call the native CPU kernels: re-exports "
+                            "ablate.model.native",
+}
+TOP_LEVEL_COMMANDS = {"cli", "__main__"}    # the other top-level modules are leaves
+
+
+def unit_of(module: str) -> str | None:
+    """The layer of `ablate.<x>...` (x a package or a top-level module); None for `ablate` itself."""
+    parts = module.split(".")
+    if parts[0] != "ablate" or len(parts) < 2:
+        return None
+    if (REPO / "ablate" / parts[1]).is_dir():
+        return parts[1]
+    return "cli" if parts[1] in TOP_LEVEL_COMMANDS else "(leaves)"
+
+
+def package_imports() -> list[tuple[str, int, str, str]]:
+    """(file, line, its layer, the layer it imports) for every import of ablate/ across layers."""
+    found = set()
+    for path in REPO.glob("ablate/**/*.py"):
+        if "data" in path.parts or path == REPO / "ablate" / "__init__.py":
+            continue
+        src = unit_of(module_name(path))
+        for line, module in imported_modules(path):
+            if (dst := unit_of(module)) is not None and dst != src:
+                found.add((str(path.relative_to(REPO)), line, src, dst))
+    return sorted(found)
+
+
+def test_every_package_has_its_place_in_the_layers():
+    units = {unit_of(module_name(p)) for p in REPO.glob("ablate/**/*.py") if "data" not in p.parts} - {None}
+    assert not units - set(LAYERS), f"place these in LAYERS, with the reason: {sorted(units - set(LAYERS))}"
+
+
+def test_packages_import_only_the_packages_below_them():
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    upward = [f"{path}:{line}: {src} imports {dst}" for path, line, src, dst in package_imports()
+              if rank[dst] > rank[src] and path not in FACADES]
+    assert not upward, "an import goes up the layers (tests/test_architecture.py LAYERS):\n" + "\n".join(upward)
+
+
+def test_nothing_in_ablate_imports_the_plugin_facades():
+    """The facades' upward imports close no loop only while nothing below imports them."""
+    facades = {module_name(REPO / f) for f in FACADES}
+    users = [f"{p.relative_to(REPO)}:{line}: {module}" for p in REPO.glob("ablate/**/*.py")
+             for line, module in imported_modules(p) if module in facades and str(p.relative_to(REPO)) not in FACADES]
+    assert not users, "\n".join(users)
 
 
 SOURCES = sorted(p for p in [*REPO.glob("ablate/**/*.py"), *REPO.glob("plugins/*/ablate_*/*.py"),

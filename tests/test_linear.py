@@ -245,3 +245,50 @@ def test_forcing_a_path_that_cannot_run_here_says_why():
                                              r"\(no compiler here\)$"):
             PRODUCT_PATHS.force(NATIVE)
     assert PRODUCT_PATHS.setting == "auto"
+
+
+# -- cpu_products: the config field, applied at the job's start and recorded with the run ------------
+
+SMALL_JOB = ["wandb.mode=disabled", "experiment.repeats=3", "experiment.warmup=0", "workload.num_requests=2",
+             "workload.prompt_len=8", "workload.output_len=4"]
+
+
+def test_cpu_products_refuses_a_bad_value_in_one_message(tmp_path, compose_config, registry):
+    from ablate.experiment.config import to_run_config
+
+    with pytest.raises(ValueError) as refused:
+        to_run_config(compose_config(tmp_path, "cpu_products=fastest"), registry)
+    assert str(refused.value) == "cpu_products must be one of auto, mkl, onednn, numpy, native, got 'fastest'"
+
+
+def test_the_cli_says_a_bad_cpu_products_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "ablate", "cpu_products=fastest", "device=cpu",
+                           f"results_dir={tmp_path}", "wandb.mode=disabled"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: cpu_products must be one of auto, mkl, onednn, numpy, native, got 'fastest'"
+
+
+def test_a_jobs_cpu_products_is_applied_and_recorded_in_environment_json(tmp_path, compose_config, registry):
+    """cpu_products=mkl: every product of the run on MKL, untimed; environment.json lists the choices
+    (each kind of product, the setting) and the process's environment settings; after the job the
+    process's products are timed again (a sweep's next job in this process)."""
+    import json
+
+    from ablate.experiment.job import run_job
+
+    raw = compose_config(tmp_path, "model=tiny", "cpu_products=mkl", *SMALL_JOB)
+    timings = PRODUCT_PATHS.timings
+    folder = run_job(raw, registry)
+    env = json.loads((folder.path / "environment.json").read_text())
+    choices = env["linear_paths"]
+    kinds = {k: v for k, v in choices.items() if " rows " in k}
+    assert kinds and set(kinds.values()) == {MKL} and choices["cpu_products"] == MKL
+    assert {"1", "2-16"} <= {k.split()[2] for k in kinds}          # decode steps and the prompts' products
+    assert PRODUCT_PATHS.timings == timings                         # forced: nothing timed
+    assert set(env["process_env"]) >= {"THP_MEM_ALLOC_ENABLE", "OPENBLAS_THREAD_TIMEOUT", "numpy_spin_bounded"}
+    assert json.loads((folder.path / "config.json").read_text())["cpu_products"] == MKL
+    assert PRODUCT_PATHS.setting == "auto"

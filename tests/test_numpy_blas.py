@@ -176,10 +176,3 @@ def test_a_batch_1_decode_step_runs_its_products_on_numpy(ablate_registry, monke
     assert len(lent) == 11 * products_per_step and set(lent) == {1}     # 11 decode steps after the prefill
     assert torch.get_num_threads() == threads
     assert PRODUCT_PATHS.choices()[f"one-row steps float32 {threads} threads"] == NUMPY
-
-
-def test_no_numpy_path_when_switched_off(monkeypatch):
-    """ABLATE_NUMPY_LINEAR=0 turns the path off (numpy's workers spinning unbounded:
-    tests/test_process_env.py)."""
-    monkeypatch.setenv("ABLATE_NUMPY_LINEAR", "0")
-    assert not numpy_blas.blas_threads(torch.get_num_threads())

@@ -24,6 +24,7 @@ from ablate.experiment.field_types import check_field_types
 from ablate.experiment.job_size import check_prompt_fits, check_run_size
 from ablate.experiment.quality_guard import QualityConfig
 from ablate.model.config import ModelConfig
+from ablate.model.product_paths import SETTINGS as CPU_PRODUCTS
 from ablate.report.wandb_log import WandbConfig
 from ablate.workload.requests import WorkloadConfig
 
@@ -122,6 +123,9 @@ class RunConfig:
     book: BookConfig | None = None        # experiment.kind=book: the claims table's options
     device: str = "auto"          # auto | cpu | cuda | cuda:N
     threads: int = 0              # torch CPU threads; 0: torch's default
+    # the path of every CPU matrix product: auto (each kind timed, the fastest kept) or one forced
+    # (ablate/model/product_paths.py); applied at the job's start, recorded in environment.json
+    cpu_products: str = "auto"    # auto | mkl | onednn | numpy | native
     peak_bandwidth: float = 0.0   # bytes/s for MBU and the roofline; 0: measured on this machine
     peak_flops: float = 0.0       # FLOP/s; 0: measured
     results_dir: str = "results"
@@ -130,6 +134,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0: torch's default), got {self.threads}")
+        if self.cpu_products not in CPU_PRODUCTS:
+            raise ValueError(f"cpu_products must be one of {', '.join(CPU_PRODUCTS)}, got {self.cpu_products!r}")
         for name in ("peak_bandwidth", "peak_flops"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -157,7 +163,7 @@ def build(cls: type, values: dict[str, Any] | None, where: str):
 
 
 SECTIONS = ("model", "experiment", "workload", "engine", "wandb", "costs", "book")
-TOP_LEVEL = ("device", "threads", "peak_bandwidth", "peak_flops", "results_dir", "redo")
+TOP_LEVEL = ("device", "threads", "cpu_products", "peak_bandwidth", "peak_flops", "results_dir", "redo")
 
 
 def to_run_config(raw: dict[str, Any], registry: Registry) -> RunConfig:

@@ -31,8 +31,7 @@ from ablate.engine.registry import Registry
 from ablate.experiment.baseline_failure import KEY as BASELINE_FAILED
 from ablate.experiment.baseline_failure import baseline_failure
 from ablate.experiment.config import RunConfig, to_run_config
-from ablate.experiment.identity import KEY as IDENTITY_KEY
-from ablate.experiment.identity import measured_inputs, recorded_inputs, what_changed
+from ablate.experiment.identity import KEY as IDENTITY_KEY, measured_inputs, recorded_inputs, what_changed
 from ablate.experiment.plan import make_plan
 from ablate.experiment.run import ExperimentResult, run_experiment
 from ablate import process_env
@@ -95,7 +94,8 @@ def run_job(raw: dict[str, Any], registry: Registry, swallow_errors: bool = Fals
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cpu_policy.threads_for_job(cfg.threads, threads_before))
     try:
-        return _job(cfg, raw, plan, registry, swallow_errors, job_dir, say)
+        with PRODUCT_PATHS.forced(cfg.cpu_products):     # recorded with the choices (environment.json)
+            return _job(cfg, raw, plan, registry, swallow_errors, job_dir, say)
     finally:
         torch.set_num_threads(threads_before)      # jobs of a sweep may share this process
 

@@ -44,11 +44,10 @@ layout won) are made on first use and remade whenever the weight changes (a new 
 in-place edit that bumps its version), so model variants that rewrite weights stay correct. Each
 costs a copy of the weights in memory (copy_bytes, in every run's peak memory), kept only for the
 paths the timing chose; GPU tensors, dtypes oneDNN cannot pack on this CPU (bf16 without AVX-512 or
-AVX-NE-CONVERT) and `ABLATE_PACKED_LINEAR=0` use plain F.linear.
+AVX-NE-CONVERT) and cpu_products=mkl use plain F.linear.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -62,7 +61,8 @@ from ablate.model.product_paths import MKL, NATIVE, ONEDNN, PRODUCT_PATHS, row_c
 
 
 def _packable_dtypes() -> tuple[torch.dtype, ...]:
-    if os.environ.get("ABLATE_PACKED_LINEAR", "1") == "0" or not torch.backends.mkldnn.is_available():
+    """The dtypes oneDNN packs on this CPU (bf16 needs AVX-512 or AVX-NE-CONVERT); the others take F.linear."""
+    if not torch.backends.mkldnn.is_available():
         return ()
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return (torch.float32, torch.bfloat16)

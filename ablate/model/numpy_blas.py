@@ -15,7 +15,6 @@ where no worker spins.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -49,8 +48,6 @@ def _controller():
 
 def unavailable_reason(threads: int) -> str | None:
     """Why numpy's BLAS cannot take one-row steps at `threads` threads, or None."""
-    if os.environ.get("ABLATE_NUMPY_LINEAR", "1") == "0":
-        return "switched off (ABLATE_NUMPY_LINEAR=0)"
     if threads > 1 and not process_env.numpy_spin_bounded():
         return ("numpy's BLAS workers spin unbounded (numpy loaded before OPENBLAS_THREAD_TIMEOUT was set: "
                 "ablate/process_env.py), and would take the cores from torch's next steps")

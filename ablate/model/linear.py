@@ -1,50 +1,46 @@
-"""nn.Linear that runs each CPU product on whichever path is fastest on this machine.
+"""nn.Linear whose CPU products each take the path chosen for their kind: timed once, or forced.
 
-A CPU product can go to MKL through `F.linear`, to oneDNN on the weight reordered once into its
-blocked layout (what Inductor's CPU "freezing" does; here done eagerly, without compiling anything),
-or, at one fp32 row, to ablate's own matrix-vector kernel (ablate/model/native.py, built here) or to
-numpy's BLAS (OpenBLAS in numpy's wheels). Which is fastest depends on the machine and the shape, so
-none is fixed in the code: the first product of each (weight shape, dtype, class of row count,
-thread count) times the paths (median of 7 after warm-up) and keeps the fastest for the process;
-`linear_paths()` lists the choices and every run records them (environment.json). Measured on
-SmolLM2's shapes, 2 cores: on an AVX2 EPYC oneDNN ran 2-128-token products about twice as fast as
-MKL (4 tokens 127 -> 51 ms for the 121 products of one forward) while MKL's matrix-vector path won
-at one token; on a Zen 5 EPYC oneDNN won at one token too (a decode step 30 -> 16.5 ms); on another
-AVX-512 EPYC MKL won at one token again; on a Zen 4 EPYC numpy's BLAS won it (a decode step 41.4 ms
-on oneDNN against 36.4 on numpy, side by side in benchmarks/decode_profile.py), until the native
-kernel beat both there (38.0 ms on oneDNN, 35.5 on numpy, 29.1 on the native kernel).
+The paths: MKL through F.linear; oneDNN on W reordered once into its blocked layout (what Inductor's
+CPU "freezing" does, done here eagerly); for one fp32 row, ablate's matrix-vector kernel on W packed
+into its own layout (ablate/model/native/steps.c); and numpy's BLAS, for the products of a step
+whose rows are all one (ablate/model/numpy_blas.py). Which is fastest depends on the machine and the
+shape, so none is fixed in the code.
 
-One-row products are chosen for every shape at once (_choose_one_row): numpy's BLAS runs on a thread
-pool of its own, which cannot share a step with torch's (ablate/model/numpy_blas.py), so either every
-one-row product of a step goes to numpy, or each goes to the fastest of MKL, oneDNN and the native
-kernel (which shares torch's thread pool).
+Keyed by what: one path per kind of product, (d_out, d_in, dtype, row class, torch threads). The row
+classes are 1 row (a decode step at batch 1), 2-16 (a verify pass, a small decode batch), 17-128 and
+more (prefills): a pass of 2 rows must not inherit the path timed on a 256-row prefill. The choices
+are held by PRODUCT_PATHS (ablate/model/product_paths.py), with what is forced.
 
-Products of up to 16 rows are bound by reading W, so both paths are timed as a step meets them:
-over every live layer of that shape (up to MAX_TIMED_LAYERS), one after another, not one weight again
-and again. A model's 30 copies of a 2 MB weight stream from DRAM in a decode step; a single one,
-repeated, sits in the cache, where the ranking can flip: timed on one cache-hot weight, MKL won
-SmolLM2's decode products that oneDNN ran 1.2-1.9x faster from DRAM (a Zen 4 EPYC: 44 -> 37 ms a
-step, benchmarks/decode_profile.py). Larger products reuse each weight across their rows
-(compute-bound), so one layer times them: a 64-request prefill of 8192 rows timed over 30 layers
-took minutes.
+When, and what is timed: the first product of a kind times every path that can take it (two
+warm-ups, then the median of 7 runs) and keeps the fastest for the process, unless the config's
+`cpu_products` forces a path for its row class (then nothing is timed).
+- Up to 16 rows (STREAMED_CLASS) a product is bound by reading W: it is timed over every live layer
+  of its shape (up to MAX_TIMED_LAYERS), one after another, as a step streams them from memory; one
+  weight run again and again would sit in the cache, where the ranking can flip. Past 16 rows a
+  product reuses W across its rows (compute-bound): one layer times it.
+- One-row products are chosen for every live shape at once (_choose_one_row): numpy's BLAS runs on a
+  thread pool of its own, which cannot share a step with torch's, so either every product of a
+  one-row step goes to numpy (the step lends it the cores: ProductPaths.one_row_step), or each takes
+  the fastest of MKL, oneDNN and the native kernel. The totals decide; numpy is timed as it would
+  run (torch on one thread), on the faster of two layouts of W (as stored, or a row-major copy).
+A path that loses gives back the weight copies packed for its timing.
 
-Row classes (ROW_CLASSES): 1 row (a decode step at batch 1), up to 16 (a verify pass of k drafts, a
-small decode batch), up to 128, and more (prefills). A pass of 2 rows must not inherit the path
-timed on a 256-row prefill: on one thread of a Zen 5 EPYC, MKL ran SmolLM2's 1728 x 576 product
-in the same 73 us as oneDNN at one row, but in 155 us against oneDNN's 76 us at two.
+What is recorded: PRODUCT_PATHS.choices() lists every kind's path, whether one-row steps go to
+numpy, the native kernels' state and `cpu_products`; every run writes it to environment.json
+(`linear_paths`), and each arm's row in runs.csv counts the timings that ran inside it
+(`path_timings`: a timing inside a timed round is in that round's time).
 
-One token (a decode step at batch 1) is a matrix-vector product, bound by reading W once. MKL's gemv
-streams W fastest when each input's row of W^T is contiguous: `input_major()` stores W as the
-transpose of a contiguous (d_in, d_out) tensor (the same values, the strides swapped), so F.linear
-becomes y = x @ W^T over contiguous memory (55 -> 40 ms for SmolLM2's 121 products on 2 cores). fp32
-only: PyTorch's bf16 products on a CPU without native bf16 are ~10x slower on the transposed layout.
+Layouts: one token is a matrix-vector product, and MKL's gemv streams W fastest when each input's row
+of W^T is contiguous, so `input_major()` stores fp32 W as the transpose of a contiguous (d_in, d_out)
+tensor (the same values, the strides swapped); bf16 W stays row-major (PyTorch's bf16 products on a
+CPU without native bf16 are much slower on the transposed layout). The packed copies (oneDNN's, the
+native kernel's, numpy's row-major one) are made on first use and remade whenever the weight changes
+(a new tensor, or an in-place edit that bumps its version), so model variants that rewrite weights
+stay correct. Each costs a copy of the weights in memory (copy_bytes, in every run's peak memory),
+kept only for the paths chosen. GPU tensors, dtypes oneDNN cannot pack on this CPU (bf16 without
+AVX-512 or AVX-NE-CONVERT) and cpu_products=mkl use plain F.linear.
 
-The packed copies (oneDNN's blocked layout, the native kernel's, and numpy's row-major copy where that
-layout won) are made on first use and remade whenever the weight changes (a new tensor, or an
-in-place edit that bumps its version), so model variants that rewrite weights stay correct. Each
-costs a copy of the weights in memory (copy_bytes, in every run's peak memory), kept only for the
-paths the timing chose; GPU tensors, dtypes oneDNN cannot pack on this CPU (bf16 without AVX-512 or
-AVX-NE-CONVERT) and cpu_products=mkl use plain F.linear.
+What each path measured, on which machines: docs/cpu-products.md.
 """
 from __future__ import annotations
 
@@ -245,8 +241,8 @@ def _choose_one_row(dtype: torch.dtype, threads: int) -> None:
 
 def _numpy_layout(layers: list[Linear], x: torch.Tensor) -> float:
     """numpy's time for `x` through `layers` on the faster of two layouts of W, which the layers keep:
-    W^T as stored (no copy), or a row-major copy. OpenBLAS's kernels for the two differ by shape:
-    SmolLM2's 576 x 1536 ran 35 GB/s on the copy against 22 as stored, its 3072 x 576 39 against 28."""
+    W^T as stored (no copy), or a row-major copy: OpenBLAS's kernels for the two differ by shape
+    (docs/cpu-products.md)."""
     def lay_out(rows: bool) -> None:
         for m in layers:
             m._numpy_rows, m._numpy_key = rows, None          # made again at the next product

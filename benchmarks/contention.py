@@ -26,6 +26,10 @@ Exits 1 when any arm is silently wrong or the 2-neighbour wall time exceeds 3x t
 """
 from __future__ import annotations
 
+from ablate import process_env
+
+process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
+
 import argparse
 import json
 import os

@@ -9,6 +9,10 @@ are counted on the CPU, where the calls are the same, over the tiny random model
 """
 from __future__ import annotations
 
+from ablate import process_env
+
+process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
+
 import pandas as pd
 import torch
 

@@ -14,6 +14,10 @@ expects) is printed as N of M.
 """
 from __future__ import annotations
 
+from ablate import process_env
+
+process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
+
 import argparse
 import importlib.util
 import re

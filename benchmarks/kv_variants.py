@@ -28,6 +28,10 @@ more sequences. Results: results/ch13_kv_variants/ (tables, report.md, kv_vs_per
 """
 from __future__ import annotations
 
+from ablate import process_env
+
+process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
+
 import argparse
 import time
 from dataclasses import replace

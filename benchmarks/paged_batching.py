@@ -19,6 +19,10 @@ beside them.
 """
 from __future__ import annotations
 
+from ablate import process_env
+
+process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
+
 import argparse
 import json
 from dataclasses import replace

@@ -23,6 +23,10 @@ time. On a CPU, try --threads 1 and 2: a pass over k+1 tokens runs matrix-matrix
 """
 from __future__ import annotations
 
+from ablate import process_env
+
+process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
+
 import argparse
 import json
 import math

@@ -13,6 +13,10 @@ prediction dashed) under --out. On a GPU the passes are timed after a device syn
 """
 from __future__ import annotations
 
+from ablate import process_env
+
+process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
+
 import argparse
 import json
 import time

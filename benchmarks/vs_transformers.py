@@ -11,6 +11,10 @@ step / step time / the machine's measured copy bandwidth.
 """
 from __future__ import annotations
 
+from ablate import process_env
+
+process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
+
 import argparse
 import json
 import time

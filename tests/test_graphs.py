@@ -175,7 +175,7 @@ def test_arm_engine_options_are_checked(raw, message):
 
 
 def test_graphs_is_a_technique_of_the_ablation(registry):
-    from ablate.experiment.ablation import arm_spec, parse_ablation
+    from ablate.analysis.ablation_plan import arm_spec, parse_ablation
     cfg = parse_ablation({"techniques": {"kv_cache": {"overrides": {"kv_cache": "contiguous"}},
                                          "graphs": {"overrides": {"engine": {"graphs": True}},
                                                     "requires": ["kv_cache"]}}})

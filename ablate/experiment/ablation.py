@@ -6,7 +6,6 @@ from __future__ import annotations
 import pandas as pd
 
 from ablate.analysis.ablation_plan import AblationConfig, OverrideConflict, PlannedArm, arm_spec, plan
-from ablate.analysis.ablation_plan import parse_ablation  # noqa: F401  (ablate.experiment.config imports it from here)
 from ablate.api.plugin import PluginConfig, Slot
 from ablate.engine.arm import BASELINE, Arm, IncompatiblePlugins
 from ablate.engine.registry import Registry

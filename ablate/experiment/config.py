@@ -19,8 +19,8 @@ from ablate.api.context import EngineConfig
 from ablate.api.plugin import PluginConfig, Slot
 from ablate.engine.arm import ArmSpec
 from ablate.engine.registry import Registry
-from ablate.experiment.ablation import AblationConfig, parse_ablation
-from ablate.experiment.field_types import check_field_types
+from ablate.analysis.ablation_plan import AblationConfig, parse_ablation
+from ablate.field_types import check_field_types
 from ablate.experiment.job_size import check_prompt_fits, check_run_size
 from ablate.experiment.quality_guard import QualityConfig
 from ablate.model.config import ModelConfig

@@ -1,4 +1,4 @@
-"""Decoding without a KV cache (ch07, ch08): positions and FLOPs recomputed, and chapter 8's table."""
+"""Decoding without a KV cache (ch07, ch08): positions and FLOPs recomputed, and chapter 8's table (ablate.book.tables.ch08)."""
 from __future__ import annotations
 
 import math
@@ -7,10 +7,11 @@ import pandas as pd
 import pytest
 
 from ablate.analysis.analytic import CostModel
-from ablate.analysis.recompute import (TABLE_HEADING, attention_crossover_len, attention_pairs_with_cache,
-                                       attention_pairs_without_cache, chapter_tables, doubling_ratio,
-                                       flops_with_cache, flops_without_cache, length_ratio, positions_with_cache,
+from ablate.analysis.recompute import (attention_crossover_len, attention_pairs_with_cache,
+                                       attention_pairs_without_cache, doubling_ratio, flops_with_cache,
+                                       flops_without_cache, length_ratio, positions_with_cache,
                                        positions_without_cache, recomputed_positions)
+from ablate.book.tables.ch08 import TABLE_HEADING, analytic_tables
 from ablate.model.config import preset
 
 
@@ -74,7 +75,7 @@ def test_chapter_tables_put_predictions_beside_a_summary():
         {"output_len": 16, "arm": "dynamic", "status": "ok", "duration_s": 0.2, "tpot_p50_ms": 9.0},
         {"output_len": 32, "arm": "recompute", "status": "ok", "duration_s": 2.4, "tpot_p50_ms": 70.0},
         {"output_len": 32, "arm": "contiguous", "status": "failed", "duration_s": 0.2, "tpot_p50_ms": 5.0}])
-    table = chapter_tables(_config({"output_len": [16, 32]}), summary)[TABLE_HEADING]
+    table = analytic_tables(_config({"output_len": [16, 32]}), summary)[TABLE_HEADING]
     cfg = preset("tiny")
     assert list(table["output"]) == [16, 32] and list(table["prompt"]) == [128, 128]
     assert list(table["positions no cache"]) == [16 * 128 + 16 * 15 // 2, 32 * 128 + 32 * 31 // 2]
@@ -86,19 +87,19 @@ def test_chapter_tables_put_predictions_beside_a_summary():
     growth = flops_without_cache(cfg, 32, 128).total / flops_without_cache(cfg, 16, 128).total
     assert math.isnan(table["no-cache growth (pred)"].iloc[0])
     assert table["no-cache growth (pred)"].iloc[1] == round(growth, 2) and table["no-cache growth (meas)"].iloc[1] == 3.0
-    alone = chapter_tables(_config({"output_len": [16, 32]}), None)[TABLE_HEADING]
+    alone = analytic_tables(_config({"output_len": [16, 32]}), None)[TABLE_HEADING]
     assert alone["time ratio (meas)"].isna().all() and list(alone["FLOPs ratio (pred)"]) == list(table["FLOPs ratio (pred)"])
 
 
 def test_chapter_tables_follow_any_grid():
     config = _config({"prompt_len": [8, 64], "output_len": [4, 8, 16]})
-    table = chapter_tables(config, None)[TABLE_HEADING]
+    table = analytic_tables(config, None)[TABLE_HEADING]
     assert list(zip(table["prompt"], table["output"])) == [(8, 4), (8, 8), (8, 16), (64, 4), (64, 8), (64, 16)]
     assert table["no-cache growth (pred)"].isna().tolist() == [True, False, False, True, False, False]
     cfg = preset("tiny")
     assert table["no-cache growth (pred)"].iloc[4] == round(
         flops_without_cache(cfg, 8, 64).total / flops_without_cache(cfg, 4, 64).total, 2)
-    plain = chapter_tables(_config({}, {"prompt_len": 32, "output_len": 10}), None)[TABLE_HEADING]
+    plain = analytic_tables(_config({}, {"prompt_len": 32, "output_len": 10}), None)[TABLE_HEADING]
     assert len(plain) == 1 and plain["positions no cache"].iloc[0] == positions_without_cache(10, 32)
     assert "no-cache growth (pred)" not in plain
 

@@ -20,7 +20,7 @@ TableMaker = Callable[[dict[str, Any], "pd.DataFrame | None"], dict[str, pd.Data
 
 # chapter -> "module:function" (imported when the chapter's report is written)
 CHAPTER_TABLES: dict[str, list[str]] = {
-    "ch08": ["ablate.analysis.recompute:chapter_tables"],
+    "ch08": ["ablate.book.tables.ch08:analytic_tables"],
     "ch12": ["ablate.analysis.attention_io:chapter_tables"],
     "ch13": ["ablate.experiment.variant_quality:chapter_tables"],
 }

@@ -10,6 +10,7 @@ import math
 
 from ablate.analysis import recompute as arithmetic
 from ablate.book.claims import Claim, checked, computed, measured, not_run
+from ablate.book.tables.ch08 import analytic_tables
 from ablate.model.config import preset
 
 SECTION = "7.2"
@@ -52,7 +53,7 @@ def _measured_growth(evidence) -> Claim:
     run = evidence.run("ch08_kv_cache")
     if run is None:
         return not_run(SECTION, key, claim, book, CH08, "the no-cache curve over output lengths")
-    table = next(iter(arithmetic.chapter_tables(run.config, run.summary).values()))
+    table = next(iter(analytic_tables(run.config, run.summary).values()))
     rows = table.dropna(subset=["no-cache growth (meas)", "no-cache growth (pred)"])
     if rows.empty:
         return not_run(SECTION, key, claim, book, CH08, "more than one output length (the stored run has one)")

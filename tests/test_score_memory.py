@@ -8,11 +8,11 @@ from dataclasses import asdict
 import pandas as pd
 import pytest
 
-from ablate.analysis.attention_io import ONCHIP_HEADING, SCORE_MEMORY_HEADING, chapter_tables
 from ablate.analysis.onchip import (ONCHIP, CacheLevel, cache_levels, measure_this_machine, onchip_table,
                                     shared_memory_bandwidth)
 from ablate.analysis.score_memory import (book_frame, both_units, measured_naive_peaks, score_bytes,
                                           score_memory_table)
+from ablate.book.tables.ch12 import ONCHIP_HEADING, SCORE_MEMORY_HEADING, analytic_tables
 from ablate.model.config import preset
 
 GIB = 2**30
@@ -113,7 +113,7 @@ def test_this_machine_is_measured_and_its_cache_is_not_slower_than_its_dram():
 
 def test_chapter_12_gets_both_tables():
     summary = pd.DataFrame({"prompt_len": [128], "arm": ["naive"], "status": ["ok"], "peak_memory_bytes": [2e6]})
-    tables = chapter_tables(run_config(), summary)
+    tables = analytic_tables(run_config(), summary)
     assert list(tables) == [SCORE_MEMORY_HEADING, ONCHIP_HEADING]
     assert (tables[SCORE_MEMORY_HEADING]["source"] == "measured").sum() == 1
     assert tables[ONCHIP_HEADING]["device"].iloc[-1].startswith("this machine")

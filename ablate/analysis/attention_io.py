@@ -34,16 +34,9 @@ for n >= 192 and 32 below; its CUDA flash kernel 128.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import pandas as pd
-
-from ablate.analysis.onchip import cache_levels, measure_this_machine, onchip_table
 
 NAIVE_SCORE_PASSES = 8          # ablate's naive attention (see above)
 SDPA_MATH_SCORE_PASSES = 6      # SDPA's math backend
-SCORE_MEMORY_HEADING = "Attention scores (n x n) in memory, and the bytes attention moves"
-ONCHIP_HEADING = "On-chip SRAM against off-chip memory"
 
 
 @dataclass(frozen=True)
@@ -102,14 +95,3 @@ def sdpa_bytes(backend: str, shape: AttentionShape, device_type: str) -> int:
     if backend in TILED_SDPA_BACKENDS:
         return tiled_bytes(shape, sdpa_flash_block_m(shape.seq_len, device_type))
     return materialised_bytes(shape, SDPA_MATH_SCORE_PASSES)
-
-
-def chapter_tables(config: dict[str, Any], summary: pd.DataFrame | None) -> dict[str, pd.DataFrame]:
-    """Chapter 12's analytic tables (ablate/book/chapter_tables.py): the n x n scores in memory at
-    the run's lengths and 32k (ablate.analysis.score_memory), and on-chip SRAM against off-chip
-    memory per GPU and on this machine, measured now (ablate.analysis.onchip, ~0.5 s)."""
-    from ablate.analysis.score_memory import score_memory_table   # it builds on this module
-
-    levels = cache_levels()
-    return {SCORE_MEMORY_HEADING: score_memory_table(config, summary),
-            ONCHIP_HEADING: onchip_table(measure_this_machine(levels), levels)}

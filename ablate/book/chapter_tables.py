@@ -21,7 +21,7 @@ TableMaker = Callable[[dict[str, Any], "pd.DataFrame | None"], dict[str, pd.Data
 # chapter -> "module:function" (imported when the chapter's report is written)
 CHAPTER_TABLES: dict[str, list[str]] = {
     "ch08": ["ablate.book.tables.ch08:analytic_tables"],
-    "ch12": ["ablate.analysis.attention_io:chapter_tables"],
+    "ch12": ["ablate.book.tables.ch12:analytic_tables"],
     "ch13": ["ablate.experiment.variant_quality:chapter_tables"],
 }
 # for every experiment, whatever its chapter: each returns {} for a run it has nothing to say about

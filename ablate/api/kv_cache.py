@@ -58,7 +58,9 @@ class KVCache(Plugin):
         super().__init__(config, ctx)
         self.spec: KVSpec = ctx.kv_spec
         self._room: dict[int, int] = {}        # seq_id -> tokens allocated (written this step at most)
-        self._committed: dict[int, int] = {}   # seq_id -> tokens whose K/V is final
+        # seq_id -> the sequence: its tokens whose K/V is final are its num_computed_tokens (the engine
+        # advances it, then commits that count), read there rather than copied here
+        self._held: dict[int, Sequence] = {}
 
     # -- called by the core ------------------------------------------------------------------------
     @final
@@ -82,7 +84,7 @@ class KVCache(Plugin):
             if not self.reserve(seq, need):
                 return False
         self._room[seq.seq_id] = need
-        self._committed.setdefault(seq.seq_id, seq.num_computed_tokens)
+        self._held.setdefault(seq.seq_id, seq)
         return True
 
     @final
@@ -99,14 +101,17 @@ class KVCache(Plugin):
 
     @final
     def commit(self, seq: Sequence, num_tokens: int) -> None:
-        """Engine, after every step that fed `seq`: its first `num_tokens` tokens are final."""
+        """Engine, after every step that fed `seq` (advanced first): its first `num_tokens` tokens, its
+        num_computed_tokens, are final."""
         room = self._room.get(seq.seq_id)
         if room is None or not 0 <= num_tokens <= room:
             raise PluginError("engine", "commit", f"sequence {seq.seq_id}: {num_tokens} tokens committed to {self}, "
                               f"which holds room for {room or 0}")
+        if num_tokens != seq.num_computed_tokens:
+            raise PluginError("engine", "commit", f"sequence {seq.seq_id}: {num_tokens} tokens committed to {self} "
+                              f"but it has {seq.num_computed_tokens} computed: advance (or sync) it first")
         with blame(self, "keep"):
             self.keep(seq, num_tokens)
-        self._committed[seq.seq_id] = num_tokens
         self._room[seq.seq_id] = num_tokens
 
     @final
@@ -114,7 +119,7 @@ class KVCache(Plugin):
         """Scheduler helpers: the sequence finished or was preempted; frees what it holds."""
         if self._room.pop(seq.seq_id, None) is None:
             return
-        del self._committed[seq.seq_id]
+        del self._held[seq.seq_id]
         with blame(self, "free"):
             self.free(seq)
 
@@ -126,7 +131,7 @@ class KVCache(Plugin):
     @final
     def num_committed(self) -> dict[int, int]:
         """seq_id -> tokens committed, for every sequence the cache holds (a copy)."""
-        return dict(self._committed)
+        return {seq_id: seq.num_computed_tokens for seq_id, seq in self._held.items()}
 
     @final
     def room_holders(self) -> list[int]:
@@ -187,7 +192,7 @@ class KVCache(Plugin):
 
     def bytes_used(self) -> int:
         """Live tokens x bytes per token: by default every committed token of every sequence held."""
-        return sum(self._committed.values()) * self.bytes_per_token
+        return sum(seq.num_computed_tokens for seq in self._held.values()) * self.bytes_per_token
 
     def num_seqs_admitted(self) -> int:
         """Sequences holding room now (admitted, not yet released): what a budget limits."""

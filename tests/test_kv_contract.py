@@ -41,3 +41,21 @@ def test_a_package_with_such_a_cache_is_a_broken_plugin(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match=r"kv_cache\.sly.*overrides KVCache\.commit"):
         reg = discover()
     assert "contiguous" in reg.choices(Slot.KV_CACHE) and "sly" not in reg.choices(Slot.KV_CACHE)
+
+
+def test_the_committed_count_is_the_sequences_own(build):
+    """The cache keeps no copy of what a sequence committed: it reads num_computed_tokens, and a commit
+    of any other count is refused naming both."""
+    from ablate.api import PluginError, Request, Sequence
+
+    cache = build({"kv_cache": "contiguous"}).kv_cache
+    seq = Sequence(Request(0, (1, 2, 3, 4), 4))
+    seq.start()
+    assert cache.allocate(seq, 4)
+    seq.advance(4, [5])                               # 4 computed, 5 tokens
+    with pytest.raises(PluginError, match="3 tokens committed .* but it has 4 computed"):
+        cache.commit(seq, 3)
+    cache.commit(seq, 4)
+    assert cache.num_committed() == {0: 4} and cache.bytes_used() == 4 * cache.bytes_per_token
+    cache.release(seq)
+    assert cache.num_committed() == {} and cache.bytes_used() == 0

@@ -89,12 +89,12 @@ def test_knee_target_is_checked_in_the_config(target):
 
 
 def test_a_rate_sweep_under_a_ttft_slo_reports_its_knee():
-    from ablate.book.chapter_tables import chapter_tables, table_name
+    from ablate.book.chapter_tables import analytic_tables, table_name
     from ablate.report.page import markdown
 
     config = {"experiment": {"chapter": "ch10", "grid": {"rate": RATES}, "ttft_slo_ms": 2000, "knee_target": 0.8}}
     summary = sweep(static=[1.0, 0.85, 0.6, 0.2])
-    tables = chapter_tables(config, summary)
+    tables = analytic_tables(config, summary)
     knee = tables["Goodput knee"]
     assert knee_row(knee, "static").knee_rate == 2.0 and set(knee["target"]) == {0.8}
     assert set(knee["ttft_slo_ms"]) == {2000.0}

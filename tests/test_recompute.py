@@ -105,5 +105,5 @@ def test_chapter_tables_follow_any_grid():
 
 
 def test_chapter_8_reports_ask_for_the_table():
-    from ablate.book.chapter_tables import chapter_tables as for_chapter
-    assert list(for_chapter(_config({"output_len": [16]}), None)) == [TABLE_HEADING]
+    from ablate.book.chapter_tables import analytic_tables as for_the_run
+    assert list(for_the_run(_config({"output_len": [16]}), None)) == [TABLE_HEADING]

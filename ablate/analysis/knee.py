@@ -75,7 +75,8 @@ def goodput_knee(summary: pd.DataFrame, rate_col: str = "rate", attained_col: st
 
 def report_tables(config: dict[str, Any], summary: pd.DataFrame | None) -> dict[str, pd.DataFrame]:
     """{"Goodput knee": one row per arm} for a run that swept workload.rate with experiment.ttft_slo_ms
-    set; {} for any other run (ablate/book/chapter_tables.py puts it in the report and the run folder)."""
+    set; {} for any other run (the book's registry of analytic tables puts it in every experiment's report
+    and run folder)."""
     experiment = config.get("experiment") or {}
     grid = experiment.get("grid") or {}
     if summary is None or summary.empty or "rate" not in grid or experiment.get("ttft_slo_ms") is None:

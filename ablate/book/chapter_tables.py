@@ -1,10 +1,12 @@
-"""Analytic tables a chapter experiment prints beside what it measured.
+"""The analytic tables an experiment prints beside what it measured: the registry the book fills,
+which the report and the jobs read through `analytic_tables(config, summary)`.
 
-A chapter names functions here (and any experiment gets those of EVERY_EXPERIMENT, which return
-{} unless its config calls for them: the goodput knee of a rate sweep under a TTFT SLO); each
-takes the run's resolved config (the dict stored as config.json) and its summary (one row per grid
-point and arm, or None before one exists) and returns {heading: table}. The report shows them
-after the measured tables, the run folder keeps each as analytic_<slug>.csv and W&B logs them, so
+A chapter names its table modules here (ablate/book/tables/ch<NN>.py), looked up by the run's
+experiment.chapter, and any experiment gets those of EVERY_EXPERIMENT, which return {} unless its
+config calls for them (the goodput knee of a rate sweep under a TTFT SLO). Each takes the run's
+resolved config (the dict stored as config.json) and its summary (one row per grid point and arm,
+or None before one exists) and returns {heading: table}. The report shows them after the measured
+tables, the run folder keeps each as analytic_<slug>.csv and W&B logs them, so
 `python -m ablate.report` can redraw them from the folder alone.
 """
 from __future__ import annotations
@@ -20,9 +22,9 @@ TableMaker = Callable[[dict[str, Any], "pd.DataFrame | None"], dict[str, pd.Data
 
 # chapter -> "module:function" (imported when the chapter's report is written)
 CHAPTER_TABLES: dict[str, list[str]] = {
-    "ch08": ["ablate.book.tables.ch08:analytic_tables"],
-    "ch12": ["ablate.book.tables.ch12:analytic_tables"],
-    "ch13": ["ablate.book.tables.ch13:analytic_tables"],
+    "ch08": ["ablate.book.tables.ch08:analytic_tables"],     # recompute arithmetic beside the measured ratios
+    "ch12": ["ablate.book.tables.ch12:analytic_tables"],     # score memory; on-chip against off-chip memory
+    "ch13": ["ablate.book.tables.ch13:analytic_tables"],     # KV bytes per token beside perplexity
 }
 # for every experiment, whatever its chapter: each returns {} for a run it has nothing to say about
 EVERY_EXPERIMENT: list[str] = ["ablate.analysis.knee:report_tables"]
@@ -33,7 +35,7 @@ def _maker(path: str) -> TableMaker:
     return getattr(import_module(module), name)
 
 
-def chapter_tables(config: dict[str, Any], summary: pd.DataFrame | None = None) -> dict[str, pd.DataFrame]:
+def analytic_tables(config: dict[str, Any], summary: pd.DataFrame | None = None) -> dict[str, pd.DataFrame]:
     """{heading: table} for the run's chapter (experiment.chapter) and those every experiment gets
     when its config calls for them; {} when none applies."""
     chapter = (config.get("experiment") or {}).get("chapter") or ""

@@ -43,7 +43,7 @@ from ablate.model.product_paths import PRODUCT_PATHS
 from ablate.report.ablation import decode_modes, wandb_extras
 from ablate.report.console import job_prefix, kept_warnings
 from ablate.report.declared import FILE as DECLARATIONS_FILE
-from ablate.book.chapter_tables import chapter_tables, table_name
+from ablate.book.chapter_tables import analytic_tables, table_name
 from ablate.report.page import write_report
 from ablate.report.console_table import console_table
 from ablate.report.tables import summary_notes
@@ -237,7 +237,7 @@ def _publish(cfg: RunConfig, raw: dict[str, Any], arms: list[Arm], result: Exper
              "through each arm / the baseline's; an arm beyond the limits is *degraded* and gets no speedup",
              decode_modes(result.runs)]
     notes = [n for n in notes if n] + [f"warning: {w}" for w in given]
-    analytic = attempt("the chapter's analytic tables", lambda: chapter_tables(raw, result.summary)) or {}
+    analytic = attempt("the analytic tables", lambda: analytic_tables(raw, result.summary)) or {}
     for heading, table in analytic.items():
         attempt(f"storing {heading!r}", lambda: folder.write_table(table_name(heading), table))
     written = attempt("the report", lambda: write_report(

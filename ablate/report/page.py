@@ -12,8 +12,8 @@ from ablate.report.tables import kv_table, plugin_tables, summary_notes, summary
 def markdown(title: str, summary: pd.DataFrame, point_keys: list[str], notes: list[str],
              figures: dict[str, Path] | None = None, runs: pd.DataFrame | None = None,
              declared: Declarations | None = None, analytic: dict[str, pd.DataFrame] | None = None) -> str:
-    """The report page: the summary table, the tables the results call for, the chapter's analytic
-    tables (ablate/book/chapter_tables.py), notes, then the figures."""
+    """The report page: the summary table, the tables the results call for, the experiment's analytic
+    tables (`analytic`: those the book registers for it), notes, then the figures."""
     from ablate.report.plots import caption, with_run_columns
 
     declared = declared or Declarations()
@@ -43,7 +43,7 @@ def write_report(run_dir: Path, summary: pd.DataFrame, point_keys: list[str], ti
     `runs` (one row per round) adds what the summary lacks (CIs of throughput, latency, goodput);
     `declared` says how to show the plugins' stats and which figures they call for; the SLOs
     (experiment.ttft_slo_ms, tpot_slo_ms) set are drawn on the latency figure; `analytic` holds the
-    chapter's computed tables, shown after the measured ones."""
+    experiment's computed tables, shown after the measured ones."""
     from ablate.report.ablation import section as ablation_section
     from ablate.report.plots import draw
     from ablate.results import write_atomic
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     """python -m ablate.report <results path>: (re)write report.md and figures of each run below it."""
     import argparse
 
-    from ablate.book.chapter_tables import chapter_tables
+    from ablate.book.chapter_tables import analytic_tables
     from ablate.report.compare import RunUnreadable, load_readable
     from ablate.results import runs_under
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         report, _ = write_report(run_dir, res.summary, point_keys, exp.get("name", run_dir.parent.name), notes,
                                  res.runs, Declarations.load(run_dir), ttft_slo_ms=exp.get("ttft_slo_ms"),
                                  tpot_slo_ms=exp.get("tpot_slo_ms"),
-                                 analytic=chapter_tables(res.config, res.summary))
+                                 analytic=analytic_tables(res.config, res.summary))
         print(report)
     if errors:
         raise SystemExit(f"{len(errors)} of {len(runs)} runs could not be reported: {errors[0]}"

@@ -1,4 +1,4 @@
-"""Chapter 7's cost calculator: what serving a model costs on a device or server, from shapes and datasheets alone.
+"""The cost calculator: what serving a model costs on a device or server, from shapes and datasheets alone.
 
 For a model with L layers, H query heads of width d_h, H_kv K/V heads, in a dtype of e bytes, on a
 device with memory bandwidth B, dense FLOP/s F and memory M (the model side:

@@ -1,4 +1,4 @@
-"""A job of experiment.kind=costs (chapter 7): the cost calculator's tables, stored and logged like
+"""A job of experiment.kind=costs: the cost calculator's tables, stored and logged like
 an experiment's. No model is loaded."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _report(name: str, table: pd.DataFrame, notes: list[str], intensity: pd.Data
 
 
 def run_costs_job(cfg: RunConfig, raw: dict[str, Any], folder: RunFolder) -> None:
-    """`python -m ablate +experiment=ch07_costs`: compute, print, store like any experiment, log to W&B."""
+    """A costs job (experiment.kind=costs): compute, print, store like any experiment, log to W&B."""
     config = cfg.costs or CostsConfig()
     devices = resolve_devices(config, cfg.peak_bandwidth, cfg.peak_flops)
     tables = cost_tables(config, devices)

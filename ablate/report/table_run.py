@@ -30,7 +30,8 @@ def store_tables(folder: RunFolder, *, experiment: str, chapter: str, config: di
                  wandb: WandbConfig, tags: list[str] | None = None,
                  images: dict[str, Path] | None = None) -> str | None:
     """Write the tables and the report, log one W&B run (with the figures already written to
-    `images`), mark the folder done; returns the W&B run directory."""
+    `images`, tagged with `chapter`, the config's experiment.chapter, and `tags`), mark the folder
+    done; returns the W&B run directory."""
     for name, frame in tables.items():
         folder.write_table(name, frame)
     folder.write_text("report.md", report)

@@ -1,12 +1,12 @@
 """Weights & Biases: one run per job, offline by default; a W&B failure never fails a benchmark.
 
 config = the resolved config (plus the hardware peaks and the environment when given), group = the
-experiment, tags = chapter and plugins, summary = per arm: speedups, memory, latency percentiles,
-goodput (every SLO; the TTFT SLO alone) and quality, history = the per-arm metrics of each round (x
-axis `round`), tables = the per-arm rows and the requests. A failed job is logged too, with exit
-code 1 and its error. wandb is imported only here and only when logging is on, so the engine runs
-where it is not installed; its own chatter (banner, sync hints) is silenced, our warnings are one
-line each.
+experiment, tags = experiment.chapter, the model and the arms, summary = per arm: speedups, memory,
+latency percentiles, goodput (every SLO; the TTFT SLO alone) and quality, history = the per-arm
+metrics of each round (x axis `round`), tables = the per-arm rows and the requests. A failed job is
+logged too, with exit code 1 and its error. wandb is imported only here and only when logging is on,
+so the engine runs where it is not installed; its own chatter (banner, sync hints) is silenced, our
+warnings are one line each.
 """
 from __future__ import annotations
 

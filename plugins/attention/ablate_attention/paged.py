@@ -8,14 +8,19 @@ kernel (ablate.api.native: C compiled here, fp32, one task per sequence and KV h
 for steps that feed more than one token (prefill, chunks), the PyTorch path gathers every sequence's
 blocks through its table into (B, S, H_kv, D) and runs SDPA under the causal mask.
 
-backend=auto takes Triton on a GPU and the native kernel on the CPU (else Triton where the interpreter
-is on, else the gather); backend=triton and backend=native refuse, when the plugin is built, a device
-or a model their kernel cannot take; auto falls back to the PyTorch path per call, warning once per
-reason in the process. The backend that ran is recorded per kind of step, with the reason when the
-kernel was passed over.
+backend=auto times, on the first decode step of each kind (ablate_attention.decode_timing: keyed by
+device, dtype, heads, head dim, block size, a class of batch size and of context length, threads),
+the device's kernel (Triton on a GPU, native on the CPU) against the gather, and runs the faster for
+every step of that kind in the process: which one wins differs between machines. Where the CPU has
+no native kernel, auto takes Triton under its interpreter (tests), else the gather, untimed.
+backend=triton, native and torch force one kernel, never timed; triton and native refuse, when the
+plugin is built, a device or a model their kernel cannot take, where auto falls back to the PyTorch
+path per call, warning once per reason in the process. The backend that ran is recorded per kind of
+step, with the reason when the kernel was passed over and the times when it was chosen by timing.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -24,6 +29,7 @@ import torch.nn.functional as F
 
 from ablate.api import (Attention, BuildContext, KVView, PagedKV, PluginConfig, Requirement, Slot, Stat, StepInputs,
                         causal_mask, native, pad_queries, unpad_queries)
+from ablate_attention import decode_timing
 from ablate_attention.flash import unsupported_shape
 
 BACKENDS = ("auto", "triton", "native", "torch")
@@ -33,9 +39,9 @@ _warned: set[str] = set()   # fallback reasons already warned about: once per pr
 @dataclass
 class PagedAttentionConfig(PluginConfig):
     name: str = "paged"
-    # auto: the device's kernel for decode steps (Triton on a GPU, native on the CPU) where it can run,
-    # else the PyTorch gather (warned once); triton, native: refuse to build where that kernel cannot
-    # run; torch: always the PyTorch gather
+    # auto: the faster, timed per kind of decode step, of the device's kernel (Triton on a GPU, native on
+    # the CPU) and the PyTorch gather; the gather where no kernel can run (warned once); triton, native:
+    # that kernel, refused where it cannot run; torch: always the PyTorch gather
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -99,7 +105,9 @@ class PagedAttention(Attention):
     config_class = PagedAttentionConfig
     graph_safe = True     # the decode kernels and the gather read lengths and block tables from tensors
     requires = (Requirement(Slot.KV_CACHE, frozenset({"paged"}), "reads K/V through block tables"),)
-    reported_stats = (Stat("backends", "the implementation that ran, per kind of step", "text", "first"),)
+    reported_stats = (Stat("backends", "the implementation that ran, per kind of step", "text", "first"),
+                      Stat("decode_timings", "decode kernels timed in this arm (backend=auto, once per kind of "
+                           "step in a process): the run's time holds them", "count", "max"))
 
     def __init__(self, config: PagedAttentionConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
@@ -135,6 +143,12 @@ class PagedAttention(Attention):
         else:
             self.decode_kernel = "native" if native_runs else "triton" if runnable else "torch"
         self.forced = config.backend in ("triton", "native")
+        # auto: the device's kernel and the gather, timed per kind of decode step (not the interpreter's Triton)
+        timed = config.backend == "auto" and (self.decode_kernel == "native"
+                                              or self.decode_kernel == "triton" and device.type != "cpu")
+        self.candidates: tuple[str, ...] = (self.decode_kernel, "torch") if timed else ()
+        self.chosen: dict[decode_timing.DecodeKey, decode_timing.DecodeChoice] = {}   # the keys this arm met
+        self.decode_timings = 0      # timings this arm ran (the first arm of a process to meet a key times it)
         self.kernel = ablate_kernels.backend_label(device)     # triton, or triton-interpreted: never a timing
         if self.decode_kernel == "torch" and config.backend == "auto":
             _warn_once(f"device {device.type}",
@@ -147,7 +161,12 @@ class PagedAttention(Attention):
 
     @property
     def backend(self) -> str:
-        ran = ",".join(f"{kind}={impl}" for kind, impl in sorted(self.backends.items()))
+        backends = dict(self.backends)
+        if self.chosen:     # decode=native(timed: native 1.2 ms, torch 1.9 ms), with the classes if several
+            many = len(self.chosen) > 1
+            backends["decode"] = "; ".join(choice.label(key.classes() if many else "")
+                                           for key, choice in sorted(self.chosen.items(), key=lambda kv: str(kv[0])))
+        ran = ",".join(f"{kind}={impl}" for kind, impl in sorted(backends.items()))
         return f"paged({ran})" if ran else "paged"
 
     def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs) -> torch.Tensor:
@@ -167,12 +186,39 @@ class PagedAttention(Attention):
                             "take; decode steps use the PyTorch block-table gather instead, recorded as backend "
                             "'torch(<why>)'")
             return gathered_attention(q, view, step)
-        self.backends[kind] = "native" if self.decode_kernel == "native" else self.kernel
-        # q (B, H, D): one query per sequence; keys of sequence b at block_tables[b, p // bs], p % bs
-        if self.decode_kernel == "native":
+        if self.candidates:
+            return self._timed(q, view, step)
+        self.backends[kind] = self._label(self.decode_kernel)
+        return self._run(self.decode_kernel, q, view, step)
+
+    def _label(self, kernel: str) -> str:
+        return self.kernel if kernel == "triton" else kernel
+
+    def _run(self, kernel: str, q: torch.Tensor, view: PagedKV, step: StepInputs) -> torch.Tensor:
+        """A decode step through `kernel`: q (B, H, D), one query per sequence; the keys of sequence b
+        at block_tables[b, p // bs], p % bs -> (B, H, D)."""
+        if kernel == "native":
             return native.paged_decode_attention(q, view.k_cache, view.v_cache, view.block_tables, step.kv_lens_t,
                                                  torch.get_num_threads())
-        return self._kernel(q, view.k_cache, view.v_cache, view.block_tables, step.kv_lens_t)
+        if kernel == "triton":
+            return self._kernel(q, view.k_cache, view.v_cache, view.block_tables, step.kv_lens_t)
+        return gathered_attention(q, view, step)
+
+    def _timed(self, q: torch.Tensor, view: PagedKV, step: StepInputs) -> torch.Tensor:
+        """backend=auto: the kernel chosen for this kind of step; the first step of a kind in the process
+        times the candidates on its own inputs (decode_timing) and returns the winner's output."""
+        key = step.memo("paged_decode_key", lambda: decode_timing.decode_key(q, view.k_cache, step.kv_lens))
+        choice = decode_timing.choice_for(key)
+        if choice is None:
+            if not decode_timing.can_time(q.device):     # inside a CUDA graph's capture: the default, unrecorded
+                self.backends.setdefault("decode", self._label(self.decode_kernel))
+                return self._run(self.decode_kernel, q, view, step)
+            self.decode_timings += 1
+            runs = {name: functools.partial(self._run, name, q, view, step) for name in self.candidates}
+            self.chosen[key], out = decode_timing.time_decode(key, runs, q.device)
+            return out
+        self.chosen.setdefault(key, choice)
+        return self._run(choice.kernel, q, view, step)
 
     def _step_problem(self, q: torch.Tensor, view: PagedKV) -> str | None:
         """Why the decode kernel cannot take this step, or None: checked once per kind of inputs (every
@@ -183,6 +229,6 @@ class PagedAttention(Attention):
             self._problems[key] = check(q, view.k_cache, view.v_cache)
         return self._problems[key]
 
-    def stats(self) -> dict[str, str]:
-        return {"backends": self.backend}
+    def stats(self) -> dict[str, str | int]:
+        return {"backends": self.backend, "decode_timings": self.decode_timings}
 

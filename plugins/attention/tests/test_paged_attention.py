@@ -71,7 +71,7 @@ def test_triton_kernel_equals_the_pytorch_block_table_path(context_lens, block_s
 
 @pytest.mark.parametrize("attention, kernel", [
     pytest.param({"name": "paged", "backend": "triton"}, "triton", marks=needs_triton),
-    pytest.param("paged", "native", marks=needs_native),        # on the CPU auto takes the native kernel
+    pytest.param({"name": "paged", "backend": "native"}, "native", marks=needs_native),   # auto: test_paged_timing
 ])
 def test_greedy_tokens_through_the_decode_kernel_equal_the_baseline(attention, kernel, ablate_registry,
                                                                    ablate_tiny_model):

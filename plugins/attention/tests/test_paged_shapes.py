@@ -9,6 +9,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import re  # noqa: E402
 import warnings  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
@@ -124,8 +125,11 @@ def test_mla_prefill_and_decode_through_paged_attention_and_a_paged_cache(backen
         warnings.simplefilter("ignore")                            # no Triton here is warned about elsewhere
         tokens, attention = run(ablate_registry, model, paged(backend, **extra))
     assert tokens == baseline
-    if backend == "auto":        # on the CPU: the native kernel, else Triton's interpreter, else the gather
-        backend = "native" if native.available() else "triton" if ablate_kernels.triton_available("cpu") else "torch"
+    if backend == "auto" and native.available():     # on the CPU: the native kernel or the gather, timed
+        assert re.fullmatch(r"paged\(decode=(native|torch)\(.*timed: .*\),prefill=torch\)", attention.backend)
+        return
+    if backend == "auto":        # without native kernels: Triton's interpreter, else the gather, untimed
+        backend = "triton" if ablate_kernels.triton_available("cpu") else "torch"
     kernel = ablate_kernels.backend_label("cpu") if backend == "triton" else backend
     assert attention.backend == f"paged(decode={kernel},prefill=torch)"
 

@@ -26,25 +26,33 @@ from ablate.workload.requests import WorkloadConfig
 ENGINES = '''
 import os
 import time
+from dataclasses import dataclass
 
 from ablate.outside.batches import OneBatchAtATime
-from ablate.outside.contract import Option
+from ablate.outside.contract import OutsideEngineConfig, option
+
+
+@dataclass
+class ScriptedConfig(OutsideEngineConfig):
+    name: str = "scripted"
+    step_s: float = option(0.02, "seconds per token")
+    start_s: float = option(0.0, "seconds loading takes")
+    log: str = option("", "a file each start and serving is logged to, with the process id")
 
 
 class Scripted(OneBatchAtATime):
     """Token i of request r is (7 r + i) % 50 + 1, one every step_s seconds; loading takes start_s."""
     name = "scripted"
-    options = {"step_s": Option(0.02, "seconds per token"), "start_s": Option(0.0, "seconds loading takes"),
-               "log": Option("", "a file each start and serving is logged to, with the process id")}
+    config_class = ScriptedConfig
 
-    def __init__(self, options, model, max_batch):
-        super().__init__(options, model, max_batch)
+    def __init__(self, config, model, max_batch):
+        super().__init__(config, model, max_batch)
         self.log("start")
-        time.sleep(options["start_s"])
+        time.sleep(config.start_s)
 
     def log(self, event):
-        if self.opts["log"]:
-            with open(self.opts["log"], "a") as f:
+        if self.config.log:
+            with open(self.config.log, "a") as f:
                 f.write(f"{self.name} {event} {os.getpid()}\\n")
 
     def describe(self):
@@ -53,33 +61,43 @@ class Scripted(OneBatchAtATime):
     def generate(self, batch, emit):
         self.log("serve")
         for i in range(max(r.max_new_tokens for r in batch)):
-            time.sleep(self.opts["step_s"])
+            time.sleep(self.config.step_s)
             for r in batch:
                 if not emit.done(r.request_id):
                     emit(r.request_id, [(7 * r.request_id + i) % 50 + 1])
 
 
+@dataclass
+class FailingConfig(ScriptedConfig):
+    name: str = "failing"
+    signal: int = option(11, "the signal it sends itself")
+    at: str = option("serve", "when it fails: start or serve")
+    error: str = option("", "raise this instead of a signal (ValueError loading, RuntimeError serving)")
+
+    def __post_init__(self):
+        if self.at not in ("start", "serve"):
+            raise ValueError(f"at must be one of start, serve, got {self.at!r}")
+
+
 class Failing(Scripted):
     """Sends its own process `signal` (or raises `error`) while loading or while serving."""
     name = "failing"
-    options = {**Scripted.options, "signal": Option(11, "the signal it sends itself"),
-               "at": Option("serve", "when it fails", ("start", "serve")),
-               "error": Option("", "raise this instead of a signal (ValueError loading, RuntimeError serving)")}
+    config_class = FailingConfig
 
-    def __init__(self, options, model, max_batch):
-        super().__init__(options, model, max_batch)
-        if options["at"] == "start":
+    def __init__(self, config, model, max_batch):
+        super().__init__(config, model, max_batch)
+        if config.at == "start":
             self.fail(ValueError)
 
     def generate(self, batch, emit):
-        if self.opts["at"] == "serve":
+        if self.config.at == "serve":
             self.fail(RuntimeError)
         super().generate(batch, emit)
 
     def fail(self, error):
-        if self.opts["error"]:
-            raise error(self.opts["error"])
-        os.kill(os.getpid(), self.opts["signal"])
+        if self.config.error:
+            raise error(self.config.error)
+        os.kill(os.getpid(), self.config.signal)
 '''
 
 

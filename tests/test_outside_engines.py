@@ -16,7 +16,7 @@ from ablate.engine.arm import ArmSpec, baseline_configs
 from ablate.outside.arms import resolve_arm
 from ablate.outside.batches import OneBatchAtATime
 from ablate.outside.contract import OutsideEngineError
-from ablate.outside.hf import HFGenerate, hf_state_dict
+from ablate.outside.hf import HFConfig, HFGenerate, hf_state_dict
 from ablate.outside.discovery import load_engine
 from ablate.outside.timeline import Timeline
 from ablate.model.config import preset
@@ -113,7 +113,7 @@ def test_hf_refuses_what_it_cannot_rebuild(tiny_model):
         hf_engine(LlamaModel.random(preset("tiny", qkv_bias=True)))
     with pytest.raises(ValueError, match="prompt_lookup must be >= 0, got -1"):
         hf_engine(tiny_model, prompt_lookup=-1)
-    assert HFGenerate.is_exact({"cache": "static", "prompt_lookup": 0})
+    assert HFGenerate.is_exact(HFConfig(cache="static"))
     assert hf_engine(tiny_model, prompt_lookup=2).batch_limit() == 1
 
 
@@ -215,15 +215,35 @@ def test_tokens_past_max_new_tokens_or_a_stop_token_are_cut():
 # -- options, the registry, arm specs --------------------------------------------------------------------
 
 def test_options_take_defaults_and_refuse_unknown_names_and_bad_values():
-    assert HFGenerate.resolve_options("w", {}) == {"cache": "dynamic", "prompt_lookup": 0}
-    with pytest.raises(ValueError, match=r"arm 'x'\.engine: engine=hf has no option cach; its options: cache .*"
-                                         r"prompt_lookup"):
+    """An engine's options are its config_class's fields: typed, checked as a plugin's config is."""
+    assert HFGenerate.resolve_options("w", {}) == HFConfig(name="hf", cache="dynamic", prompt_lookup=0)
+    assert HFGenerate.resolve_options("w", {"cache": "static"}).cache == "static"
+    with pytest.raises(ValueError, match=r"^arm 'x'\.engine: engine=hf has no option cach; its options: cache \(the KV "
+                                         r"cache transformers keeps.*, default 'dynamic'\); prompt_lookup \(.*\)$"):
         HFGenerate.resolve_options("arm 'x'.engine", {"cach": "static"})
-    with pytest.raises(ValueError, match=r"arm 'x'\.engine\.cache must be one of dynamic, static, got 'paged'"):
+    with pytest.raises(ValueError, match=r"^arm 'x'\.engine\.cache must be one of dynamic, static, got 'paged'$"):
         HFGenerate.resolve_options("arm 'x'.engine", {"cache": "paged"})
-    for bad in ("3", True, 2.0):
-        with pytest.raises(ValueError, match=r"arm 'x'\.engine\.prompt_lookup must be a int"):
+    with pytest.raises(ValueError, match=r"^arm 'x'\.engine\.prompt_lookup must be >= 0, got -1$"):
+        HFGenerate.resolve_options("arm 'x'.engine", {"prompt_lookup": -1})
+    for bad, shown in (("3", "'3'"), (True, "true"), (2.0, "2.0")):       # ablate.field_types' message
+        with pytest.raises(ValueError, match=rf"^arm 'x'\.engine\.prompt_lookup must be a whole number \(default 0\), "
+                                             rf"got {shown}$"):
             HFGenerate.resolve_options("arm 'x'.engine", {"prompt_lookup": bad})
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"weights": "q8"}, "arm 'l'.engine.weights must be one of shipped, f32, f16, got 'q8'"),
+    ({"batching": "continuous"}, "arm 'l'.engine.batching must be one of sequences, one, got 'continuous'"),
+    ({"n_batch": 0}, "arm 'l'.engine.n_batch must be >= 1, got 0"),
+    ({"threads": "4"}, "arm 'l'.engine.threads must be a whole number (default 0), got '4'"),
+])
+def test_llamacpps_options_are_checked_without_llama_cpp(options, says):
+    from ablate.outside.llamacpp import LlamaCpp, LlamaCppConfig
+
+    assert LlamaCpp.resolve_options("arm 'l'.engine", {"weights": "shipped"}) == LlamaCppConfig(weights="shipped")
+    with pytest.raises(ValueError) as err:
+        LlamaCpp.resolve_options("arm 'l'.engine", options)
+    assert str(err.value) == says
 
 
 def test_an_unknown_engine_lists_the_installed_ones(registry):
@@ -266,6 +286,6 @@ def test_ablate_plugins_lists_each_outside_engine_ready_or_what_it_needs(monkeyp
 def test_a_float_option_takes_a_whole_number_as_yaml_writes_it():
     from ablate.outside.openai import OpenAICompatible
 
-    assert OpenAICompatible.resolve_options("arm 'o'", {"timeout_s": 30})["timeout_s"] == 30
-    with pytest.raises(ValueError, match="timeout_s must be a float"):
+    assert OpenAICompatible.resolve_options("arm 'o'", {"timeout_s": 30}).timeout_s == 30
+    with pytest.raises(ValueError, match=r"^arm 'o'\.timeout_s must be a number \(default 600\.0\), got true$"):
         OpenAICompatible.resolve_options("arm 'o'", {"timeout_s": True})

@@ -17,7 +17,7 @@ from ablate.model.llama import LlamaModel
 def server(options: dict, monkeypatch) -> vllm.VLLMServer:
     """A VLLMServer built without starting anything: its command and environment are what is tested."""
     engine = vllm.VLLMServer.__new__(vllm.VLLMServer)
-    engine.opts = vllm.VLLMServer.resolve_options("test", options)
+    engine.config = vllm.VLLMServer.resolve_options("test", options)
     engine.model = LlamaModel.random(preset("tiny"))
     engine.threads = 2
     return engine
@@ -41,6 +41,19 @@ def test_it_binds_the_threads_ablates_arms_use(monkeypatch):
     env = server({"kv_cache_gib": 3}, monkeypatch).environment()
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"ngram_k": -1}, "test.ngram_k must be >= 0, got -1"),
+    ({"kv_cache_gib": 0}, "test.kv_cache_gib must be >= 1, got 0"),
+    ({"startup_timeout_s": 0}, "test.startup_timeout_s must be > 0, got 0"),
+    ({"threads": 1.5}, "test.threads must be a whole number (default 0), got 1.5"),
+    ({"prefix_caching": "yes"}, "test.prefix_caching must be true or false (default false), got 'yes'"),
+])
+def test_a_bad_option_is_refused_when_the_arm_is_resolved_not_when_the_server_starts(options, says):
+    with pytest.raises(ValueError) as err:
+        vllm.VLLMServer.resolve_options("test", options)
+    assert str(err.value) == says
 
 
 def test_without_vllm_the_arm_is_skipped_with_the_way_to_install_it(monkeypatch):

@@ -92,16 +92,16 @@ class Arm:
     model_overrides: dict[str, Any] = field(default_factory=dict)   # e.g. {"n_kv_heads": 1}
     engine_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {"graphs": True}
     # an outside engine's arm, resolved by ablate.outside.arms: its class (an ablate.outside.contract
-    # OutsideEngine) and resolved options; its plugins are unused
-    outside: tuple[type, dict[str, Any]] | None = None
+    # OutsideEngine) and its config (of the class's config_class, a dataclass); its plugins are unused
+    outside: tuple[type, Any] | None = None
 
     def label(self) -> str:
         """`kv_cache=contiguous attention=naive ...`: the plugins and engine options that differ from
         the baseline; `engine=hf cache=static` for an outside engine (its options that differ from their defaults)."""
         if self.outside is not None:
-            cls, options = self.outside
-            return " ".join([f"engine={cls.name}"] + [f"{k}={v}" for k, v in options.items()
-                                                      if v != cls.options[k].default])
+            cls, config = self.outside
+            defaults = asdict(type(config)(name=config.name))
+            return " ".join([f"engine={cls.name}"] + [f"{k}={v}" for k, v in asdict(config).items() if v != defaults[k]])
         parts = [f"{s.value}={c.name}" for s, c in self.plugins.items() if c.name != BASELINE[s]]
         parts += [f"engine.{k}={v}" for k, v in sorted(self.engine_overrides.items())]
         return " ".join(parts) or "baseline"

@@ -1,6 +1,6 @@
 """An arm of any engine: ablate's own, whose plugins ablate.engine.arm resolves, or an outside
 engine's (`{engine: {name: hf, ...}}`), its class found through the `ablate.engines` entry points
-(ablate.outside.discovery) and its options checked. An experiment resolves its arms here: the
+(ablate.outside.discovery) and its options built into its config_class. An experiment resolves its arms here: the
 engine package knows nothing of outside engines."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ablate.outside.discovery import load_engine
 def resolve_arm(name: str, spec: ArmSpec | dict[str, Any] | None, base: dict[Slot, PluginConfig],
                 registry: Registry) -> Arm:
     """ablate.engine.arm.resolve_arm for an arm of ablate's own engine; for an outside engine's, its
-    class and resolved options (its plugins, unused, are the base's)."""
+    class and its config, built from the spec's options (its plugins, unused, are the base's)."""
     if not isinstance(spec, ArmSpec):
         spec = ArmSpec.parse(f"arm {name!r}", spec)
     if spec.outside is None:

@@ -9,13 +9,15 @@ reporting when each one arrived, was scheduled, emitted tokens and finished (a T
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ablate.api.sequence import Request
+from ablate.field_types import check_field_types
 from ablate.outside.timeline import Timeline
 from ablate.model.llama import LlamaModel
 
@@ -24,35 +26,62 @@ class OutsideEngineError(RuntimeError):
     """An outside engine failed while serving: its arm is recorded as failed, with this reason."""
 
 
-@dataclass(frozen=True)
-class Option:
-    default: Any
-    help: str
-    choices: tuple[Any, ...] = ()     # the allowed values; empty: any value of the default's type
+HOW_TO_DECLARE = ("an outside engine declares its options as its `config_class`: a dataclass deriving from "
+                  "ablate.outside.contract.OutsideEngineConfig, `name` defaulting to the engine's, one field per "
+                  "option with its type and option(default, help), e.g. `cache: str = option(\"dynamic\", \"the KV "
+                  "cache it keeps\")`; bad values refused in __post_init__ (docs/outside-engines.md, "
+                  "\"Writing an outside engine\")")
 
-    def check(self, where: str, value: Any) -> Any:
-        if self.choices and value not in self.choices:
-            raise ValueError(f"{where} must be one of {', '.join(map(str, self.choices))}, got {value!r}")
-        kind = (int, float) if isinstance(self.default, float) else type(self.default)   # YAML writes 600.0 as 600
-        if not self.choices and (isinstance(value, bool) != isinstance(self.default, bool)
-                                 or not isinstance(value, kind)):
-            raise ValueError(f"{where} must be a {type(self.default).__name__} ({self.help}), got {value!r}")
-        return value
+
+def __getattr__(name: str) -> Any:
+    if name == "Option":    # an engine written against the `options` dict of Option: refused at load, saying how now
+        raise ImportError(f"ablate.outside.contract.Option is gone: {HOW_TO_DECLARE}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def option(default: Any, help: str) -> Any:
+    """A field of an OutsideEngineConfig: its default and what it does, which `python -m ablate plugins`
+    lists and the message for an unknown option repeats."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class OutsideEngineConfig:
+    """Base of an outside engine's config dataclass (its `config_class`), as PluginConfig is a plugin's:
+    `name` defaults to the engine's; every other field is an option an arm may set, `{engine: {name: hf,
+    cache: static}}`, declared with its type and `option(default, help)`. A value not of its field's type
+    (bool, int, float, str, maybe optional) is refused before the dataclass is built (ablate.field_types);
+    a bad value of the right type is refused by __post_init__ with a ValueError that begins with the
+    option's name (`cache must be one of dynamic, static, got 'paged'`), which resolve_options prefixes
+    with where the arm set it."""
+
+    name: str = ""
+
+    @classmethod
+    def options(cls) -> list[dataclasses.Field]:
+        """Its options: every field but `name`."""
+        return [f for f in dataclasses.fields(cls) if f.name != "name"]
+
+    @classmethod
+    def summary(cls) -> str:
+        """`cache (the KV cache transformers keeps, default 'dynamic'); prompt_lookup (...)`, or none."""
+        return "; ".join(f"{f.name} ({f.metadata.get('help') or f.type}, default {f.default!r})"
+                         for f in cls.options()) or "none"
 
 
 class OutsideEngine(ABC):
     name: ClassVar[str] = ""
     requires: ClassVar[tuple[str, ...]] = ()     # modules it imports: one missing means the arm is skipped
     extra: ClassVar[str] = ""                    # the pip extra that installs them: pip install -e ".[extra]"
-    options: ClassVar[dict[str, Option]] = {}
+    config_class: ClassVar[type[OutsideEngineConfig]] = OutsideEngineConfig    # its options (HOW_TO_DECLARE)
     # served from a worker process of its own (ablate.outside.worker), so that a crash of its native
     # code fails its arm only; False for an engine that is only a client of a process apart (a server)
     in_worker: ClassVar[bool] = True
 
-    def __init__(self, options: dict[str, Any], model: LlamaModel, max_batch: int) -> None:
-        """`options` resolved by resolve_options; `model` the experiment's (ablate's) model;
-        `max_batch` the experiment's engine.max_num_seqs, the same limit ablate's arms run under."""
-        self.opts = options
+    def __init__(self, config: OutsideEngineConfig, model: LlamaModel, max_batch: int) -> None:
+        """`config` its config_class's, built by resolve_options; `model` the experiment's (ablate's)
+        model; `max_batch` the experiment's engine.max_num_seqs, the same limit ablate's arms run under."""
+        self.config = config
         self.model = model
         self.max_batch = max_batch
 
@@ -66,18 +95,43 @@ class OutsideEngine(ABC):
                 + (f" (pip install -e \".[{cls.extra}]\")" if cls.extra else ""))
 
     @classmethod
-    def resolve_options(cls, where: str, raw: dict[str, Any]) -> dict[str, Any]:
-        """Every option with its value (the default where not given); an unknown option or a bad value
-        is a ValueError naming it and what is allowed."""
-        unknown = sorted(set(raw) - set(cls.options))
-        if unknown:
-            allowed = "; ".join(f"{k} ({o.help}, default {o.default!r})" for k, o in cls.options.items()) or "none"
-            raise ValueError(f"{where}: engine={cls.name} has no option {', '.join(unknown)}; its options: {allowed}")
-        return {k: o.check(f"{where}.{k}", raw.get(k, o.default)) for k, o in cls.options.items()}
+    def declaration_problem(cls) -> str | None:
+        """What is wrong with how the class declares its options, in one line; None if nothing (checked
+        when it is loaded, ablate.outside.discovery). An engine without options may leave config_class out."""
+        if isinstance(getattr(cls, "options", None), dict):        # the declaration before config_class
+            return f"declares `options`, which ablate no longer reads: {HOW_TO_DECLARE}"
+        config = cls.config_class
+        if not (isinstance(config, type) and dataclasses.is_dataclass(config) and issubclass(config, OutsideEngineConfig)):
+            return (f"has config_class {getattr(config, '__name__', repr(config))}, which is not a dataclass deriving "
+                    f"from OutsideEngineConfig: {HOW_TO_DECLARE}")
+        fields = {f.name: f for f in dataclasses.fields(config)}
+        if config is not OutsideEngineConfig and fields["name"].default != cls.name:
+            return f"has config_class {config.__name__}, whose name defaults to {fields['name'].default!r}, not {cls.name!r}"
+        required = [k for k, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if required:
+            return f"has config_class {config.__name__}, whose options {', '.join(required)} have no default"
+        return None
 
     @classmethod
-    def is_exact(cls, options: dict[str, Any]) -> bool:
-        """True when, with these options, its greedy tokens must equal ablate's on the same model (the
+    def resolve_options(cls, where: str, raw: dict[str, Any]) -> OutsideEngineConfig:
+        """Its config_class built from an arm's options (the defaults where not given): an unknown option
+        is a ValueError naming them all, a value of the wrong type ablate.field_types', a bad value its
+        __post_init__'s, each prefixed with `where`."""
+        known = [f.name for f in cls.config_class.options()]
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ValueError(f"{where}: engine={cls.name} has no option {', '.join(unknown)}; "
+                             f"its options: {cls.config_class.summary()}")
+        check_field_types(cls.config_class, raw, f"{where}.")
+        try:
+            return cls.config_class(name=cls.name, **raw)
+        except (ValueError, TypeError) as err:   # `cache must be one of ...`: where.cache; any other: where: ...
+            joint = "." if str(err).split(" ", 1)[0] in known else ": "
+            raise ValueError(f"{where}{joint}{err}") from err
+
+    @classmethod
+    def is_exact(cls, config: OutsideEngineConfig) -> bool:
+        """True when, with this config, its greedy tokens must equal ablate's on the same model (the
         same weights in the same precision): the experiment then checks them as it checks an exact
         plugin, up to rounding. False (the default): token agreement is reported as its quality cost."""
         return False

@@ -21,8 +21,8 @@ def _supplier(ep: EntryPoint) -> str:
 
 def load_engine(where: str, name: str) -> type[OutsideEngine]:
     """The class of outside engine `name`; a ValueError naming the known ones when there is none,
-    naming the distributions when two declare it, or naming the entry point when it does not load
-    or does not give an OutsideEngine."""
+    naming the distributions when two declare it, or naming the entry point when it does not load,
+    does not give an OutsideEngine or declares its options otherwise than as a config_class."""
     points = [ep for ep in entry_points(group=GROUP) if ep.name == name]
     if not points:
         raise ValueError(f"{where}: unknown engine {name!r}; engines are {OWN_ENGINE} (this one) and "
@@ -42,4 +42,7 @@ def load_engine(where: str, name: str) -> type[OutsideEngine]:
     if not (isinstance(cls, type) and issubclass(cls, OutsideEngine)) or cls.name != name:
         raise ValueError(f"{where}: engine {name!r} ({_supplier(point)}) is not an OutsideEngine subclass "
                          f"with name = {name!r} (ablate.outside.contract)")
+    problem = cls.declaration_problem()
+    if problem:
+        raise ValueError(f"{where}: engine {name!r} ({_supplier(point)}) {problem}")
     return cls

@@ -10,16 +10,32 @@ sequence) and prompt-lookup decoding (`prompt_lookup`: n-gram drafts from the pr
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ablate.api.sequence import Request
 from ablate.outside.batches import Emitter, OneBatchAtATime
-from ablate.outside.contract import Option
+from ablate.outside.contract import OutsideEngineConfig, option
 from ablate.model.llama import LlamaModel
 
 PAD_ID = 0     # left padding of shorter prompts in a batch: masked out, never attended to
+CACHES = ("dynamic", "static")
+
+
+@dataclass
+class HFConfig(OutsideEngineConfig):
+    name: str = "hf"
+    cache: str = option("dynamic", "the KV cache transformers keeps: dynamic (grows per step) or static "
+                                   "(allocated once for the longest sequence)")
+    prompt_lookup: int = option(0, "draft tokens per pass from prompt n-grams; 0: off (batch 1 when on)")
+
+    def __post_init__(self) -> None:
+        if self.cache not in CACHES:
+            raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {self.cache!r}")
+        if self.prompt_lookup < 0:
+            raise ValueError(f"prompt_lookup must be >= 0, got {self.prompt_lookup}")
 
 
 def hf_llama(model: LlamaModel) -> Any:
@@ -100,19 +116,15 @@ class HFGenerate(OneBatchAtATime):
     name = "hf"
     requires = ("transformers",)
     extra = "hf"
-    options = {
-        "cache": Option("dynamic", "the KV cache transformers keeps", ("dynamic", "static")),
-        "prompt_lookup": Option(0, "draft tokens per pass from prompt n-grams; 0: off (batch 1 when on)"),
-    }
+    config_class = HFConfig
+    config: HFConfig
 
-    def __init__(self, options: dict[str, Any], model: LlamaModel, max_batch: int) -> None:
-        super().__init__(options, model, max_batch)
-        if options["prompt_lookup"] < 0:
-            raise ValueError(f"engine=hf: prompt_lookup must be >= 0, got {options['prompt_lookup']}")
+    def __init__(self, config: HFConfig, model: LlamaModel, max_batch: int) -> None:
+        super().__init__(config, model, max_batch)
         self.hf = hf_llama(model)
 
     @classmethod
-    def is_exact(cls, options: dict[str, Any]) -> bool:
+    def is_exact(cls, config: HFConfig) -> bool:
         return True     # the same tensors in the same dtype; prompt lookup keeps greedy tokens
 
     def describe(self) -> dict[str, str]:
@@ -120,7 +132,7 @@ class HFGenerate(OneBatchAtATime):
                 "batching": "static (one generate() per batch)" if self.batch_limit() > 1 else "one request at a time"}
 
     def batch_limit(self) -> int:
-        return 1 if self.opts["prompt_lookup"] else self.max_batch     # transformers' assisted decoding: batch 1
+        return 1 if self.config.prompt_lookup else self.max_batch     # transformers' assisted decoding: batch 1
 
     def generate(self, batch: list[Request], emit: Emitter) -> None:
         width = max(len(r.prompt_token_ids) for r in batch)
@@ -135,10 +147,10 @@ class HFGenerate(OneBatchAtATime):
         if not sampling.is_greedy:
             torch.manual_seed(sampling.seed or 0)
             kwargs = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
-        if self.opts["cache"] == "static":
+        if self.config.cache == "static":
             kwargs["cache_implementation"] = "static"
-        if self.opts["prompt_lookup"]:
-            kwargs["prompt_lookup_num_tokens"] = self.opts["prompt_lookup"]
+        if self.config.prompt_lookup:
+            kwargs["prompt_lookup_num_tokens"] = self.config.prompt_lookup
         from transformers import StoppingCriteriaList
 
         request_ids = [r.request_id for r in batch]

@@ -11,12 +11,13 @@ before each batch: no prefix reuse across requests or rounds, every prompt is pr
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ablate.api.sequence import Request
 from ablate.checkpoints.loader import checkpoint_path
 from ablate.outside.batches import Emitter, OneBatchAtATime
-from ablate.outside.contract import Option
+from ablate.outside.contract import OutsideEngineConfig, option
 from ablate.outside.gguf_rewrite import rewritten_gguf
 from ablate.outside.llamacpp_batch import BatchedContext
 from ablate.model.llama import LlamaModel
@@ -26,22 +27,39 @@ if TYPE_CHECKING:
 
 
 CONTEXT_ROUNDING = 256     # the context is the workload's longest sequence, rounded up to this
+WEIGHTS = ("shipped", "f32", "f16")
+BATCHING = ("sequences", "one")
+
+
+@dataclass
+class LlamaCppConfig(OutsideEngineConfig):
+    name: str = "llamacpp"
+    weights: str = option("f32", "the GGUF it runs: shipped (as is), or rewritten in f32 or f16")
+    threads: int = option(0, "CPU threads; 0: torch's, the same as ablate's arms")
+    n_batch: int = option(512, "prompt tokens per llama.cpp decode call")
+    batching: str = option("sequences", "sequences: greedy requests decoded together (llama.cpp's batch); "
+                                        "one: a request at a time")
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.batching not in BATCHING:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: torch's), got {self.threads}")
+        if self.n_batch < 1:
+            raise ValueError(f"n_batch must be >= 1, got {self.n_batch}")
 
 
 class LlamaCpp(OneBatchAtATime):
     name = "llamacpp"
     requires = ("llama_cpp",)
     extra = "llamacpp"
-    options = {
-        "weights": Option("f32", "the GGUF it runs: shipped as is, or rewritten in f32 / f16", ("shipped", "f32", "f16")),
-        "threads": Option(0, "CPU threads; 0: torch's, the same as ablate's arms"),
-        "n_batch": Option(512, "prompt tokens per llama.cpp decode call"),
-        "batching": Option("sequences", "sequences: greedy requests decoded together (llama.cpp's batch); "
-                           "one: a request at a time", ("sequences", "one")),
-    }
+    config_class = LlamaCppConfig
+    config: LlamaCppConfig
 
-    def __init__(self, options: dict[str, Any], model: LlamaModel, max_batch: int) -> None:
-        super().__init__(options, model, max_batch)
+    def __init__(self, config: LlamaCppConfig, model: LlamaModel, max_batch: int) -> None:
+        super().__init__(config, model, max_batch)
         import torch
 
         cfg = model.config
@@ -50,8 +68,8 @@ class LlamaCpp(OneBatchAtATime):
             raise ValueError(f"engine=llamacpp runs a GGUF checkpoint; model {cfg.name!r} has "
                              + (f"{source}" if source else "none (random weights)")
                              + ": use a GGUF model (model.path=<file.gguf> or a preset that ships one)")
-        self.path = source if options["weights"] == "shipped" else rewritten_gguf(source, options["weights"])
-        self.threads = options["threads"] or torch.get_num_threads()
+        self.path = source if config.weights == "shipped" else rewritten_gguf(source, config.weights)
+        self.threads = config.threads or torch.get_num_threads()
         self.llm: llama_cpp.Llama | None = None
         self.batched: BatchedContext | None = None
         self.n_ctx = 0
@@ -73,7 +91,7 @@ class LlamaCpp(OneBatchAtATime):
             self.close()
             self.n_ctx = need
             self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=self.n_ctx, n_threads=self.threads,
-                                       n_threads_batch=self.threads, n_batch=self.opts["n_batch"], verbose=False)
+                                       n_threads_batch=self.threads, n_batch=self.config.n_batch, verbose=False)
         return self.llm
 
     def batched_context_for(self, batch: list[Request]) -> BatchedContext:
@@ -81,23 +99,23 @@ class LlamaCpp(OneBatchAtATime):
         need = self._context_tokens(batch)
         if self.batched is None or need > self.batched.per_sequence:
             self.close()
-            self.batched = BatchedContext(self.path, self.batch_limit(), need, self.threads, self.opts["n_batch"])
+            self.batched = BatchedContext(self.path, self.batch_limit(), need, self.threads, self.config.n_batch)
             self.n_ctx = self.batch_limit() * need
         return self.batched
 
     @classmethod
-    def is_exact(cls, options: dict[str, Any]) -> bool:
+    def is_exact(cls, config: LlamaCppConfig) -> bool:
         return False    # its own kernels and summation order (and, shipped, its quantised products)
 
     def describe(self) -> dict[str, str]:
         file_type = {"shipped": f"shipped ({self.path.name})", "f32": "F32 rewrite", "f16": "F16 rewrite"}
         batching = {"sequences": "static (llama.cpp's batch of sequences)", "one": "one request at a time"}
-        return {"precision": {"shipped": "gguf-as-shipped", "f32": "fp32", "f16": "fp16"}[self.opts["weights"]],
-                "weights": file_type[self.opts["weights"]], "batching": batching[self.opts["batching"]],
+        return {"precision": {"shipped": "gguf-as-shipped", "f32": "fp32", "f16": "fp16"}[self.config.weights],
+                "weights": file_type[self.config.weights], "batching": batching[self.config.batching],
                 "threads": str(self.threads)}
 
     def batch_limit(self) -> int:
-        return self.max_batch if self.opts["batching"] == "sequences" else 1
+        return self.max_batch if self.config.batching == "sequences" else 1
 
     def weight_bytes(self) -> int:
         return self.path.stat().st_size
@@ -109,7 +127,7 @@ class LlamaCpp(OneBatchAtATime):
         return self.weight_bytes() + self.n_ctx * c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2
 
     def generate(self, batch: list[Request], emit: Emitter) -> None:
-        if self.opts["batching"] == "sequences" and all(r.sampling.is_greedy for r in batch):
+        if self.config.batching == "sequences" and all(r.sampling.is_greedy for r in batch):
             ids = [r.request_id for r in batch]
             context = self.batched_context_for(batch)
             context.generate_greedy([r.prompt_token_ids for r in batch],

@@ -17,10 +17,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ablate.api.sequence import Request
-from ablate.outside.contract import Option, OutsideEngine, OutsideEngineError
+from ablate.outside.contract import OutsideEngine, OutsideEngineConfig, OutsideEngineError, option
 from ablate.outside.timeline import Timeline
 from ablate.model.llama import LlamaModel
 from ablate.workload.arrivals import ArrivalQueue
@@ -45,24 +46,39 @@ def stream_completion(url: str, body: dict[str, Any], timeout_s: float):
             yield chunk
 
 
+@dataclass
+class OpenAIConfig(OutsideEngineConfig):
+    name: str = "openai"
+    url: str = option("", "the server's base URL, e.g. http://127.0.0.1:8000/v1")
+    model: str = option("", "the model name the server serves; '': the first one /models lists")
+    max_concurrency: int = option(0, "requests in flight at once; 0: each is sent at its arrival")
+    timeout_s: float = option(600.0, "seconds a request may take")
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 0:
+            raise ValueError(f"max_concurrency must be >= 0 (0: each request sent at its arrival), got {self.max_concurrency}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
 class OpenAICompatible(OutsideEngine):
     name = "openai"
     in_worker = False       # a client of a server, which runs (or crashes) in a process of its own
-    options = {
-        "url": Option("", "the server's base URL, e.g. http://127.0.0.1:8000/v1"),
-        "model": Option("", "the model name the server serves; '': the first one /models lists"),
-        "max_concurrency": Option(0, "requests in flight at once; 0: each is sent at its arrival"),
-        "timeout_s": Option(600.0, "seconds a request may take"),
-    }
+    config_class = OpenAIConfig
 
-    def __init__(self, options: dict[str, Any], model: LlamaModel, max_batch: int) -> None:
-        super().__init__(options, model, max_batch)
+    def __init__(self, config: OutsideEngineConfig, model: LlamaModel, max_batch: int) -> None:
+        """`config` an OpenAIConfig; a subclass that starts its own server (engine=vllm) passes its own
+        config, with a timeout_s, and connects once the server is up."""
+        super().__init__(config, model, max_batch)
         self.tokenizer = None
         self.re_encoded = False            # some outputs were text re-encoded, not the server's token ids
-        if self.name == OpenAICompatible.name:
-            if not options["url"]:
+        self.timeout_s: float = config.timeout_s
+        self.max_concurrency = 0           # every request sent at its arrival
+        if isinstance(config, OpenAIConfig):
+            if not config.url:
                 raise ValueError("engine=openai needs url: the server's base URL, e.g. http://127.0.0.1:8000/v1")
-            self.connect(options["url"], options["model"])
+            self.max_concurrency = config.max_concurrency
+            self.connect(config.url, config.model)
 
     def connect(self, url: str, served_model: str = "") -> None:
         """Talk to the server at `url` (its base, .../v1), to `served_model` or the first it lists."""
@@ -98,7 +114,7 @@ class OpenAICompatible(OutsideEngine):
         ids: list[int] = []
         text: list[str] = []
         last = t0
-        for chunk in stream_completion(f"{self.base}/completions", self.body(request), self.opts["timeout_s"]):
+        for chunk in stream_completion(f"{self.base}/completions", self.body(request), self.timeout_s):
             choices = chunk.get("choices") or []
             if not choices:
                 continue                    # a usage-only chunk
@@ -131,7 +147,7 @@ class OpenAICompatible(OutsideEngine):
         arrivals = ArrivalQueue(requests)
         done: queue.Queue[tuple[int, list[int] | BaseException, float]] = queue.Queue()
         outputs: dict[int, list[int]] = {}
-        limit = self.opts["max_concurrency"] or len(requests)
+        limit = self.max_concurrency or len(requests)
         waiting: list[tuple[float, Request]] = []
         in_flight = 0
         t0 = time.perf_counter()

@@ -39,10 +39,10 @@ class OutsideRuns:
 
     def engine(self, arm: Arm, model: LlamaModel) -> EngineWorker | InProcess:
         if arm.name not in self.engines:
-            cls, options = arm.outside
+            cls, config = arm.outside
             try:
-                self.engines[arm.name] = (EngineWorker(cls, options, model, self.max_batch) if cls.in_worker
-                                          else InProcess(cls(options, model, self.max_batch)))
+                self.engines[arm.name] = (EngineWorker(cls, config, model, self.max_batch) if cls.in_worker
+                                          else InProcess(cls(config, model, self.max_batch)))
             except OutsideEngineError:            # its worker died: the reason says how
                 raise
             except (ValueError, RuntimeError, OSError) as err:    # cannot run this model here: the arm fails, not the job

@@ -23,10 +23,10 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ablate.outside.contract import Option
+from ablate.outside.contract import OutsideEngineConfig, option
 from ablate.outside.hf_export import HF_DTYPES, hf_directory
 from ablate.outside.openai import OpenAICompatible
 from ablate.model.llama import LlamaModel
@@ -45,18 +45,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class VLLMConfig(OutsideEngineConfig):
+    name: str = "vllm"
+    prefix_caching: bool = option(False, "vLLM's automatic prefix caching")
+    chunked_prefill: bool = option(True, "vLLM's chunked prefill")
+    ngram_k: int = option(0, "n-gram speculation (prompt lookup): draft tokens per step; 0: off")
+    enforce_eager: bool = option(False, "no compilation (on a GPU: no CUDA graphs)")
+    threads: int = option(0, "CPU threads it binds; 0: torch's, as ablate's arms use")
+    kv_cache_gib: int = option(2, "KV cache space on a CPU, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    startup_timeout_s: float = option(900.0, "seconds the server may take to start (it compiles the model)")
+    timeout_s: float = option(600.0, "seconds a request may take")
+
+    def __post_init__(self) -> None:
+        for name, least in (("ngram_k", 0), ("threads", 0), ("kv_cache_gib", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+        for name in ("startup_timeout_s", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
 class VLLMServer(OpenAICompatible):
     name = "vllm"
-    options = {
-        "prefix_caching": Option(False, "vLLM's automatic prefix caching"),
-        "chunked_prefill": Option(True, "vLLM's chunked prefill"),
-        "ngram_k": Option(0, "n-gram speculation (prompt lookup): draft tokens per step; 0: off"),
-        "enforce_eager": Option(False, "no compilation (on a GPU: no CUDA graphs)"),
-        "threads": Option(0, "CPU threads it binds; 0: torch's, as ablate's arms use"),
-        "kv_cache_gib": Option(2, "KV cache space on a CPU, GiB (VLLM_CPU_KVCACHE_SPACE)"),
-        "startup_timeout_s": Option(900.0, "seconds the server may take to start (it compiles the model)"),
-        "timeout_s": Option(600.0, "seconds a request may take"),
-    }
+    config_class = VLLMConfig
+    config: VLLMConfig
 
     @classmethod
     def missing(cls) -> str | None:
@@ -69,15 +82,13 @@ class VLLMServer(OpenAICompatible):
                                capture_output=True, timeout=60)
         return None if check.returncode == 0 else f"engine=vllm: {PYTHON_ENV}={python} cannot import vllm"
 
-    def __init__(self, options: dict[str, Any], model: LlamaModel, max_batch: int) -> None:
-        # the client's options (ablate.outside.openai) are this server's: its URL once started, every request
-        # sent at its arrival (vLLM's own --max-num-seqs is the batch limit)
-        super().__init__(options | {"url": "", "model": "", "max_concurrency": 0}, model, max_batch)
+    def __init__(self, config: VLLMConfig, model: LlamaModel, max_batch: int) -> None:
+        # the client (ablate.outside.openai) talks to this server: its URL once started, every request sent
+        # at its arrival (vLLM's own --max-num-seqs is the batch limit), config.timeout_s for each
+        super().__init__(config, model, max_batch)
         import torch
 
-        if options["ngram_k"] < 0 or options["threads"] < 0 or options["kv_cache_gib"] < 1:
-            raise ValueError(f"engine=vllm: ngram_k and threads must be >= 0 and kv_cache_gib >= 1, got {options}")
-        self.threads = options["threads"] or torch.get_num_threads()
+        self.threads = config.threads or torch.get_num_threads()
         self.log = Path(tempfile.mkstemp(prefix="ablate-vllm-", suffix=".log")[1])
         port = free_port()
         self.process = subprocess.Popen(self.command(hf_directory(model), port, max_batch), env=self.environment(),
@@ -86,25 +97,25 @@ class VLLMServer(OpenAICompatible):
         self.connect(f"http://127.0.0.1:{port}/v1", SERVED_NAME)
 
     def command(self, directory: Path, port: int, max_batch: int) -> list[str]:
-        o, c = self.opts, self.model.config
+        o, c = self.config, self.model.config
         command = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
                    "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
                    "--skip-tokenizer-init", "--dtype", HF_DTYPES[c.dtype], "--max-model-len", str(c.max_seq_len),
                    "--max-num-seqs", str(max_batch),
-                   "--enable-prefix-caching" if o["prefix_caching"] else "--no-enable-prefix-caching",
-                   "--enable-chunked-prefill" if o["chunked_prefill"] else "--no-enable-chunked-prefill"]
-        if o["ngram_k"]:
-            command += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": o["ngram_k"],
+                   "--enable-prefix-caching" if o.prefix_caching else "--no-enable-prefix-caching",
+                   "--enable-chunked-prefill" if o.chunked_prefill else "--no-enable-chunked-prefill"]
+        if o.ngram_k:
+            command += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": o.ngram_k,
                                                             "prompt_lookup_max": 3, "prompt_lookup_min": 1})]
-        return command + (["--enforce-eager"] if o["enforce_eager"] else [])
+        return command + (["--enforce-eager"] if o.enforce_eager else [])
 
     def environment(self) -> dict[str, str]:
-        return os.environ | {"VLLM_CPU_KVCACHE_SPACE": str(self.opts["kv_cache_gib"]),
+        return os.environ | {"VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_gib),
                              "VLLM_CPU_OMP_THREADS_BIND": f"0-{self.threads - 1}",
                              "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
     def wait_until_up(self, url: str) -> None:
-        deadline = time.monotonic() + self.opts["startup_timeout_s"]
+        deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"engine=vllm: the server exited with status {self.process.returncode} while "
@@ -115,18 +126,18 @@ class VLLMServer(OpenAICompatible):
             except OSError:
                 time.sleep(2)
         self.close()
-        raise RuntimeError(f"engine=vllm: the server did not answer within {self.opts['startup_timeout_s']:.0f} s; "
+        raise RuntimeError(f"engine=vllm: the server did not answer within {self.config.startup_timeout_s:.0f} s; "
                            f"the end of its log ({self.log}):\n{self.tail()}")
 
     def tail(self, lines: int = 15) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def describe(self) -> dict[str, str]:
-        o = self.opts
+        o = self.config
         return {"precision": self.model.config.dtype, "weights": "the experiment's, as a checkpoint directory",
                 "batching": "continuous (vLLM's scheduler)", "threads": str(self.threads),
-                "techniques": f"prefix_caching={o['prefix_caching']} chunked_prefill={o['chunked_prefill']} "
-                              f"ngram_k={o['ngram_k']} enforce_eager={o['enforce_eager']}"}
+                "techniques": f"prefix_caching={o.prefix_caching} chunked_prefill={o.chunked_prefill} "
+                              f"ngram_k={o.ngram_k} enforce_eager={o.enforce_eager}"}
 
     def close(self) -> None:
         if self.process.poll() is None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ablate.api.sequence import Request
-from ablate.outside.contract import OutsideEngine, OutsideEngineError
+from ablate.outside.contract import OutsideEngine, OutsideEngineConfig, OutsideEngineError
 from ablate.outside.serving import Served, measured_serve
 from ablate.exit_status import describe_exit
 from ablate.model.config import ModelConfig
@@ -63,7 +63,7 @@ def rebuilt(config: ModelConfig, tensors: dict[str, torch.Tensor], device: str) 
 class EngineWorker:
     """The experiment's side: starts the worker, which builds the engine, and asks it to serve."""
 
-    def __init__(self, cls: type[OutsideEngine], options: dict[str, Any], model: LlamaModel, max_batch: int) -> None:
+    def __init__(self, cls: type[OutsideEngine], config: OutsideEngineConfig, model: LlamaModel, max_batch: int) -> None:
         self.name = cls.name
         worker_in, to_worker = os.pipe()
         from_worker, worker_out = os.pipe()
@@ -75,7 +75,7 @@ class EngineWorker:
         self.replies = Connection(from_worker, writable=False)
         try:
             self._ask(sys.path, "while starting", reply=False)
-            self._ask(("start", (cls, options, portable(model), max_batch)), "while starting")
+            self._ask(("start", (cls, config, portable(model), max_batch)), "while starting")
         except BaseException:
             self.close()
             raise
@@ -126,8 +126,8 @@ def serve_forever(requests: Connection, replies: Connection) -> None:
         try:
             verb, args = pickle.loads(message)     # the engine's class imported here, the model rebuilt
             if verb == "start":
-                cls, options, model, max_batch = args
-                engine, value = cls(options, rebuilt(*model), max_batch), None
+                cls, config, model, max_batch = args
+                engine, value = cls(config, rebuilt(*model), max_batch), None
             elif verb == "serve":
                 value = measured_serve(engine, *args)
             else:

@@ -36,22 +36,36 @@ def list_plugins() -> None:
     print("  ".join(k.ljust(w) for k, w in widths.items()))
     for r in rows:
         print("  ".join(str(r[k]).ljust(w) for k, w in widths.items()))
-    print("\noutside engines (an arm's engine: {name: ...}):")
-    for name, line in outside_engines().items():
+    print("\noutside engines (an arm's engine: {name: ..., <option>: <value>}):")
+    for name, (line, options) in _outside_engines().items():
         print(f"  {name.ljust(10)}{line}")
+        for option in options:
+            print(f"  {'':10}  {option}")
 
 
 def outside_engines() -> dict[str, str]:
     """Each outside engine of the `ablate.engines` entry points: ready, or why not (what to install)."""
+    return {name: line for name, (line, _) in _outside_engines().items()}
+
+
+def _outside_engines() -> dict[str, tuple[str, list[str]]]:
+    """Each outside engine: ready or why not, and its options as an arm writes them, `cache: str =
+    "dynamic"  <its help>` (its config_class's fields); none for an engine that does not load."""
+    import json
+
     from ablate.outside.discovery import engine_names, load_engine
 
-    lines = {}
+    engines = {}
     for name in engine_names():
         try:
-            lines[name] = load_engine("ablate plugins", name).missing() or "ready"
+            cls = load_engine("ablate plugins", name)
         except ValueError as err:
-            lines[name] = f"error: {err}"
-    return lines
+            engines[name] = (f"error: {err}", [])
+            continue
+        options = [f"{f.name}: {f.type} = {json.dumps(f.default, default=repr)}  {f.metadata.get('help', '')}".rstrip()
+                   for f in cls.config_class.options()]
+        engines[name] = (cls.missing() or "ready", options)
+    return engines
 
 
 def book_arguments(args: list[str]) -> list[str]:

@@ -274,13 +274,19 @@ def test_an_outside_arms_label_shows_the_engine_and_its_changed_options(registry
     assert label({"engine": "hf"}) == "engine=hf"
 
 
-def test_ablate_plugins_lists_each_outside_engine_ready_or_what_it_needs(monkeypatch):
+def test_ablate_plugins_lists_each_outside_engine_ready_or_what_it_needs(monkeypatch, capsys):
     from ablate import cli
 
     monkeypatch.setattr(HFGenerate, "requires", ("no_such_module_xyz",))
     engines = cli.outside_engines()
     assert {"hf", "llamacpp", "openai", "vllm"} <= set(engines) and engines["openai"] == "ready"
     assert engines["hf"] == 'engine=hf needs no_such_module_xyz, which is not installed (pip install -e ".[hf]")'
+    cli.list_plugins()          # and each one's options: its config_class's fields, as an arm writes them
+    listing = capsys.readouterr().out.splitlines()
+    hf = listing.index(f"  hf        {engines['hf']}")
+    assert listing[hf + 1].startswith('              cache: str = "dynamic"  the KV cache transformers keeps')
+    assert listing[hf + 2].startswith('              prompt_lookup: int = 0  draft tokens per pass')
+    assert "              prefix_caching: bool = false  vLLM's automatic prefix caching" in listing
 
 
 def test_a_float_option_takes_a_whole_number_as_yaml_writes_it():

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = sorted((Path(__file__).resolve().parent.parent / "benchmarks").glob("*.py"))
 
 CHECK = """
@@ -25,6 +27,7 @@ sys.exit(1 if failures else 0)
 """
 
 
+@pytest.mark.slow      # one process importing every benchmark (~20 s; host_syncs.py has no --help and runs in full)
 def test_every_benchmark_imports_and_shows_its_help():
     run = subprocess.run([sys.executable, "-c", CHECK, *map(str, BENCHMARKS)], capture_output=True, text=True,
                          timeout=300)

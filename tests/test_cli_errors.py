@@ -27,6 +27,7 @@ def test_a_config_error_is_one_line_and_exit_status_2(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.slow      # a CLI process (~5 s); the one-line error: test_a_config_error_is_one_line_and_exit_status_2
 def test_debugging_keeps_the_traceback(tmp_path):
     result = ablate(tmp_path, "experiment.repeats=0", ABLATE_DEBUG="1")
     assert result.returncode != 0 and "ValueError" in result.stderr
@@ -34,6 +35,7 @@ def test_debugging_keeps_the_traceback(tmp_path):
     assert not any(line.startswith("error:") for line in result.stderr.splitlines())
 
 
+@pytest.mark.slow      # a CLI sweep of two jobs (~15 s)
 def test_in_a_sweep_each_bad_job_says_which_it_is(tmp_path):
     result = ablate(tmp_path, "experiment.repeats=0,-1", multirun=True)
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
@@ -43,6 +45,7 @@ def test_in_a_sweep_each_bad_job_says_which_it_is(tmp_path):
     assert result.returncode == 1 and "sweep: 2 of 2 jobs did not finish" in result.stdout     # the sweep says so
 
 
+@pytest.mark.slow      # a CLI process (~5 s); the message in-process: tests/test_bad_inputs.py
 def test_an_unknown_plugin_option_lists_the_plugins_options(tmp_path):
     result = ablate(tmp_path, "kv_cache=paged", "kv_cache.blok_size=4")
     assert result.returncode == 2
@@ -82,6 +85,7 @@ def test_multirun_is_accepted_after_the_overrides():
     assert multirun_first(["model=tiny"]) == ["model=tiny"]
 
 
+@pytest.mark.slow      # a CLI process each (~5 s); the checks in-process: the tests of override_problem above
 @pytest.mark.parametrize("args, says", [
     (["model=tiny,nonesuch"], "needs -m"),
     (["experiment.name=café"], "must be quoted"),

@@ -41,6 +41,7 @@ def test_tables_follow_the_formulas():
     assert not tables["devices"].set_index("model").loc["deepseek-v2", "weights_fit"]     # 472 GB of experts
 
 
+@pytest.mark.slow      # the whole costs job with its report (~2.5 s); its tables: the tests above
 def test_costs_experiment_runs_through_the_cli_job(compose_config, registry, tmp_path):
     from ablate.experiment.job import run_job
     from ablate.results import load

@@ -91,6 +91,7 @@ def test_decode_mbu_runs_right_after_the_preflight_and_the_ceilings_it_needs():
     assert load_gpu_check().SECTIONS[:3] == ("preflight", "environment", "decode_mbu")
 
 
+@pytest.mark.slow      # runs to its 15 s budget; the deadline's cut in the default run: the two tests below
 def test_the_budget_is_a_hard_deadline_for_sections_and_every_process_they_start(tmp_path):
     budget = 15.0
     started = time.time()

@@ -157,7 +157,8 @@ def damage(path: Path, how: str) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("how", DAMAGES)
+@pytest.mark.parametrize("how", [   # a rebuild each (~1 s): one in the default run
+    pytest.param(how, marks=[] if how == "garbage" else pytest.mark.slow) for how in DAMAGES])
 def test_a_damaged_cached_library_is_rebuilt_before_it_is_loaded(how, unbuilt):
     damage(cached_library(), how)
     assert native.available() and native.state() == "built"

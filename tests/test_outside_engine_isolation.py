@@ -131,6 +131,7 @@ FATAL = [("serve", signal.SIGSEGV), ("serve", signal.SIGKILL), ("serve", signal.
          ("start", signal.SIGABRT)]
 
 
+@pytest.mark.slow      # a worker process per fatal signal (~17 s); a failing worker: the test below
 def test_an_engine_whose_process_dies_of_a_signal_fails_its_arm_and_the_others_are_measured(
         registry, tiny_model, engines):
     dying = {f"{at}_{sig.name}": {"engine": {"name": "failing", "signal": int(sig), "at": at, "log": str(engines)}}
@@ -159,8 +160,8 @@ def test_an_engine_whose_process_dies_of_a_signal_fails_its_arm_and_the_others_a
     assert (rows["duration_s"] < 1.0).all() and (rows["wall_s"] < 1.0).all()
 
 
-@pytest.mark.parametrize("at, detail", [
-    ("start", "engine=failing could not start: no room for this model"),
+@pytest.mark.parametrize("at, detail", [     # a worker process each (~3 s): serving in the default run
+    pytest.param("start", "engine=failing could not start: no room for this model", marks=pytest.mark.slow),
     ("serve", "engine=failing failed while serving: RuntimeError: no room for this model"),
 ])
 def test_an_engine_that_refuses_or_raises_fails_its_arm_once_and_the_others_are_measured(

@@ -12,6 +12,8 @@ from ablate.api.plugin import Slot
 from ablate.model.config import preset
 from ablate.model.llama import LlamaModel
 
+pytestmark = pytest.mark.slow     # a 16-layer model decoding 4 x 64 tokens twice (~4 s)
+
 NUM_TOKENS = 64
 PROMPT_LENS = [32, 32, 32, 32]
 

@@ -51,6 +51,8 @@ def legend_labels(fig) -> list[str]:
     return [t.get_text() for legend in fig.legends for t in legend.get_texts()]
 
 
+# four sets of figures drawn (~5 s); drawing in the default run: test_write_report_returns_the_figures_it_references
+@pytest.mark.slow
 def test_figures_follow_the_columns_present(tmp_path):
     plain = summary_frame({"output_len": [16, 64, 256]})
     assert list(draw(plain, ["output_len"], tmp_path / "plain")) == ["speedup", "throughput", "latency", "memory"]

@@ -111,6 +111,7 @@ def test_this_machine_is_measured_and_its_cache_is_not_slower_than_its_dram():
     assert row["on-chip / off-chip"] == pytest.approx(measured.ratio, abs=0.05)
 
 
+@pytest.mark.slow      # measures this machine at the chapter's budget (~2 s); the measurement and tables: tests above
 def test_chapter_12_gets_both_tables():
     summary = pd.DataFrame({"prompt_len": [128], "arm": ["naive"], "status": ["ok"], "peak_memory_bytes": [2e6]})
     tables = analytic_tables(run_config(), summary)

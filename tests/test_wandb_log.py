@@ -79,6 +79,7 @@ def test_online_without_an_api_key_logs_offline_with_one_warning_line(unreachabl
     assert "W&B online logging failed" in line and "logged offline instead" in line and "wandb sync" in line
 
 
+@pytest.mark.slow      # wandb tries the server for seconds; the same fallback without a key: the test above
 def test_online_with_an_unreachable_server_logs_offline(unreachable_wandb, monkeypatch, tmp_path, capfd):
     # a key of the right shape: the server is the problem; wandb tries it for a few seconds
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)

@@ -29,14 +29,15 @@ def split_test_contexts(batch: int) -> list[int]:
 @needs_triton
 @pytest.mark.parametrize(
     "dtype, num_heads, num_kv_heads, head_dim",
-    [  # head dims 64 / 128 / 256 x GQA groups 1 / 3 / 4 / 9 x dtypes, spread rather than crossed
+    [  # head dims 64 / 128 / 256 x GQA groups 1 / 3 / 4 / 9 x dtypes, spread rather than crossed; the larger
+       # ones: slow (CI runs them)
         (torch.float32, 8, 8, 64),  # MHA, group 1
         (torch.bfloat16, 9, 1, 64),  # MQA, group 9 (BLOCK_H 16, 7 padding rows)
         (torch.float16, 9, 3, 128),  # group 3
-        (torch.bfloat16, 12, 3, 128),  # group 4
-        (torch.float16, 12, 3, 256),
-        (torch.float32, 9, 3, 256),
-        (torch.bfloat16, 8, 8, 256),
+        pytest.param(torch.bfloat16, 12, 3, 128, marks=pytest.mark.slow),  # group 4
+        pytest.param(torch.float16, 12, 3, 256, marks=pytest.mark.slow),
+        pytest.param(torch.float32, 9, 3, 256, marks=pytest.mark.slow),
+        pytest.param(torch.bfloat16, 8, 8, 256, marks=pytest.mark.slow),
         (torch.float32, 4, 2, 16),  # the smallest head dim
     ],
 )
@@ -62,6 +63,7 @@ def test_decode_split_k_paths(num_splits):
 
 
 @needs_triton
+@pytest.mark.slow      # several batch sizes in the interpreter (~3 s); the split counts: kernels/tests/test_runtime.py
 def test_decode_split_count_follows_the_batch_size():
     """Continuous batching: one padded length, several batch sizes, hence several runtime split counts
     (the combine kernel takes the count as an argument); every one matches the reference."""

@@ -38,14 +38,15 @@ Q_LENS, K_LENS = [1, 7, 33, 40], [1, 12, 50, 40]
 @needs_triton
 @pytest.mark.parametrize(
     "dtype, causal, num_heads, num_kv_heads, head_dim",
-    [  # head dims 64 / 128 / 256 x GQA groups 1 / 3 / 4 / 9 x dtypes, spread rather than crossed
+    [  # head dims 64 / 128 / 256 x GQA groups 1 / 3 / 4 / 9 x dtypes, spread rather than crossed; the larger
+       # ones take seconds each in the interpreter: slow (CI runs them)
         (torch.float32, True, 8, 8, 64),  # MHA, group 1
         (torch.bfloat16, True, 9, 1, 64),  # MQA, group 9 (not a power of two)
-        (torch.float16, False, 9, 3, 128),  # group 3
-        (torch.bfloat16, True, 12, 3, 128),  # group 4
-        (torch.float16, True, 12, 3, 256),
-        (torch.bfloat16, False, 8, 8, 256),
-        (torch.float32, False, 9, 3, 256),
+        pytest.param(torch.float16, False, 9, 3, 128, marks=pytest.mark.slow),  # group 3
+        pytest.param(torch.bfloat16, True, 12, 3, 128, marks=pytest.mark.slow),  # group 4
+        pytest.param(torch.float16, True, 12, 3, 256, marks=pytest.mark.slow),
+        pytest.param(torch.bfloat16, False, 8, 8, 256, marks=pytest.mark.slow),
+        pytest.param(torch.float32, False, 9, 3, 256, marks=pytest.mark.slow),
         (torch.float32, True, 4, 2, 16),  # the smallest head dim
         (torch.float16, True, 4, 1, 32),
     ],
@@ -97,7 +98,7 @@ def test_varlen_empty_query_sequence_and_custom_scale():
     "block_m, block_n, q_lens, k_lens",
     [
         (128, 64, [1, 100, 150], [1, 100, 200]),  # the GPU config for head_dim <= 128
-        (64, 32, [1, 100, 150], [1, 100, 200]),  # fp32 / head_dim 256
+        pytest.param(64, 32, [1, 100, 150], [1, 100, 200], marks=pytest.mark.slow),  # fp32 / head_dim 256
         (16, 32, [1, 20, 45], [1, 30, 70]),  # BLOCK_N > BLOCK_M
     ],
 )
@@ -112,6 +113,7 @@ def test_varlen_gpu_tile_sizes(block_m, block_n, q_lens, k_lens):
 
 
 @needs_triton
+@pytest.mark.slow      # five random batches in the interpreter (~2 s); ragged batches: the cases above
 @settings(max_examples=5, deadline=None, derandomize=True, database=None)
 @given(
     lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 24)), min_size=1, max_size=3),

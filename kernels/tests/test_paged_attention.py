@@ -22,14 +22,15 @@ from ablate_kernels.testing import (DEVICE, SPLIT_BATCHES, SPLIT_KV_HEADS, SPLIT
 @needs_triton
 @pytest.mark.parametrize(
     "dtype, num_heads, num_kv_heads, head_dim, block_size",
-    [  # head dims 64 / 128 / 256 x GQA groups 1 / 3 / 4 / 9 x dtypes x page sizes, spread rather than crossed
+    [  # head dims 64 / 128 / 256 x GQA groups 1 / 3 / 4 / 9 x dtypes x page sizes, spread rather than crossed;
+       # the larger ones: slow (CI runs them)
         (torch.float32, 8, 8, 64, 16),  # MHA, group 1
         (torch.bfloat16, 9, 1, 64, 8),  # MQA, group 9; pages smaller than a key tile
         (torch.float16, 9, 3, 128, 32),  # group 3; pages larger than a key tile
-        (torch.bfloat16, 12, 3, 128, 16),  # group 4
-        (torch.float16, 12, 3, 256, 16),
-        (torch.float32, 9, 3, 256, 8),
-        (torch.bfloat16, 8, 8, 256, 32),
+        pytest.param(torch.bfloat16, 12, 3, 128, 16, marks=pytest.mark.slow),  # group 4
+        pytest.param(torch.float16, 12, 3, 256, 16, marks=pytest.mark.slow),
+        pytest.param(torch.float32, 9, 3, 256, 8, marks=pytest.mark.slow),
+        pytest.param(torch.bfloat16, 8, 8, 256, 32, marks=pytest.mark.slow),
         (torch.float32, 4, 2, 16, 16),  # the smallest head dim
     ],
 )
@@ -65,6 +66,7 @@ def test_paged_split_k_paths(num_splits):
 
 
 @needs_triton
+@pytest.mark.slow      # several batch sizes in the interpreter (~3 s); the split counts: kernels/tests/test_runtime.py
 def test_paged_split_count_follows_the_batch_size():
     """One block-table width, several batch sizes and so several runtime split counts: all correct."""
     head_dim, dtype, block_size = 64, torch.bfloat16, 16

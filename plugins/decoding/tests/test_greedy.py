@@ -32,9 +32,15 @@ def reference(build, target, make_requests) -> list[list[int]]:
     return [s.output_token_ids for s in seqs]
 
 
-@pytest.mark.parametrize("batch_size", [1, 4])
-@pytest.mark.parametrize("kv_cache", default_registry().choices(Slot.KV_CACHE))
-@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def crossed(drafters, kv_caches, batch_sizes, fast):
+    """Every (drafter, kv_cache, batch_size); those `fast` does not pick are marked slow (CI runs them)."""
+    return [pytest.param(d, kv, b, marks=[] if fast(d, kv, b) else pytest.mark.slow)
+            for d in drafters for kv in kv_caches for b in batch_sizes]
+
+
+# every drafter with every cache at a batch of 4 in the default run; a batch of 1 there with the contiguous cache
+@pytest.mark.parametrize("drafter, kv_cache, batch_size", crossed(
+    list(DRAFTERS), default_registry().choices(Slot.KV_CACHE), [1, 4], lambda d, kv, b: b == 4 or kv == "contiguous"))
 def test_greedy_tokens_equal_autoregressive(drafter, kv_cache, batch_size, build, target, make_requests, reference):
     built = build({"kv_cache": kv_cache, "decoding": speculative(drafter)}, target, max_num_seqs=batch_size)
     seqs = built.engine.run(make_requests(PROMPT_LENS, MAX_NEW))
@@ -96,8 +102,13 @@ def long_reference(build, target, make_requests) -> list[list[int]]:
     return [s.output_token_ids for s in seqs]
 
 
-@pytest.mark.parametrize("drafter", ["draft_model-poor", "ngram", "early_exit"])
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+# one drafter per schedule in the default run (each drafter once), the rest slow
+FAST_SCHEDULED = {("continuous", "ngram"), ("preempting", "early_exit"), ("preempting-chunked", "draft_model-poor")}
+
+
+@pytest.mark.parametrize("schedule, drafter", [
+    pytest.param(s, d, marks=[] if (s, d) in FAST_SCHEDULED else pytest.mark.slow)
+    for s in SCHEDULES for d in ["draft_model-poor", "ngram", "early_exit"]])
 def test_greedy_with_continuous_batching(schedule, drafter, build, target, make_requests, long_reference):
     """Sequences join and leave every step, are preempted and recomputed (in chunks): the tokens
     stay the target's, and the draft's cache follows (a preempted sequence's draft room is freed)."""

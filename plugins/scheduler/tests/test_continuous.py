@@ -169,6 +169,8 @@ def test_textbook_case_finishes_in_the_expected_order(scheduler, order, ablate_r
         assert rec.requests[3].first_scheduled >= rec.requests[2].finish    # it waited for a free slot
 
 
+# the same kit call as tests/test_conformance.py::test_plugin_conforms[scheduler=continuous], in the default run
+@pytest.mark.slow
 def test_conformance(ablate_check_plugin):
     """The kit a third-party scheduler would run (tests/test_conformance.py runs it over every plugin)."""
     ablate_check_plugin("scheduler", "continuous")

@@ -36,6 +36,8 @@ def outputs(built: BuiltArm, reqs: list[Request]) -> list[list[int]]:
     return [s.output_token_ids for s in built.engine.run(reqs)]
 
 
+# the same kit call as tests/test_conformance.py::test_plugin_conforms[kv_cache=streaming], in the default run
+@pytest.mark.slow
 def test_conforms(ablate_check_plugin):
     ablate_check_plugin("kv_cache", "streaming")
 

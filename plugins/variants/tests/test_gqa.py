@@ -70,5 +70,7 @@ def test_bad_head_counts_are_refused(mha_model):
         to_kv_heads(LlamaModel.random(preset("mla-tiny")), 1)
 
 
+# the same kit call as tests/test_conformance.py::test_plugin_conforms[variant=gqa], in the default run
+@pytest.mark.slow
 def test_gqa_plugin_conforms(ablate_check_plugin):
     ablate_check_plugin("variant", "gqa")

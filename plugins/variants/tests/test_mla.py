@@ -153,6 +153,8 @@ def test_mla_gives_the_same_tokens_through_every_cache(kv_cache, ablate_registry
     assert outputs[0] == outputs[1] == outputs[2]
 
 
+# the same kit call as tests/test_conformance.py::test_plugin_conforms[variant=mla], in the default run
+@pytest.mark.slow
 def test_mla_plugin_conforms(ablate_check_plugin):
     ablate_check_plugin("variant", "mla")
 

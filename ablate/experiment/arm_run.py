@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from ablate.analysis.analytic import CostModel
-from ablate.api import clock
+from ablate.api import clock, tuning
 from ablate.api.context import EngineConfig
 from ablate.api.kv import KVBudgetConfig
 from ablate.api.plugin import Slot
@@ -102,13 +102,13 @@ def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: E
         tracker = TensorMemoryTracker() if track_memory and device.type != "cuda" else contextlib.nullcontext()
         kv_reserved_before = built.kv_cache.bytes_reserved()
         gc.collect()
-        compiled_before, timed_before = kernel_compiles(), PRODUCT_PATHS.timings
+        compiled_before, timed_before = kernel_compiles(), PRODUCT_PATHS.timings + tuning.timings()
         start = clock.now(device)
         with tracker:
             seqs = built.engine.run(requests)
         wall = clock.now(device) - start
         row: dict[str, Any] = {"wall_s": wall, "kernel_compiles": kernel_compiles() - compiled_before,
-                               "path_timings": PRODUCT_PATHS.timings - timed_before}
+                               "path_timings": PRODUCT_PATHS.timings + tuning.timings() - timed_before}
         if record:
             rec = recorders[0]
             row |= summarise(rec)

@@ -24,19 +24,18 @@ from typing import Any
 
 import torch
 
+from ablate.api import tuning
 from ablate.analysis.ablation_plan import ARMS_TABLE
 from ablate.checkpoints.loader import load_model
 from ablate.engine.arm import Arm
 from ablate.engine.registry import Registry
-from ablate.experiment.baseline_failure import KEY as BASELINE_FAILED
-from ablate.experiment.baseline_failure import baseline_failure
+from ablate.experiment.baseline_failure import KEY as BASELINE_FAILED, baseline_failure
 from ablate.experiment.config import RunConfig, to_run_config
 from ablate.experiment.identity import KEY as IDENTITY_KEY, measured_inputs, recorded_inputs, what_changed
 from ablate.experiment.plan import make_plan
 from ablate.experiment.run import ExperimentResult, run_experiment
 from ablate import process_env
-from ablate.measure import cpu_policy, hardware
-from ablate.measure import device as dev
+from ablate.measure import cpu_policy, device as dev, hardware
 from ablate.model.config import resolve_dtype
 from ablate.model.llama import LlamaModel
 from ablate.model.product_paths import PRODUCT_PATHS
@@ -177,6 +176,7 @@ def _measure(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swal
                                     progress=say, done=done, on_round=keep, kv_free_bytes=free_bytes)
         keep(result.runs, result.requests)
         env["linear_paths"] = PRODUCT_PATHS.choices()    # the CPU product paths of the run, recorded
+        env["tuned"] = tuning.choices()                   # what plugins chose by timing (ablate.api.tuning)
         if device.type == "cpu":
             env["huge_pages"] = dev.huge_pages()
         folder.write_text("environment.json", json.dumps(env, indent=2, default=str))

@@ -18,8 +18,8 @@ allows no sync) runs the default kernel (Triton, native) unless its key was chos
 warm-up run engine.graphs makes before each capture times it. A captured graph keeps the kernel of
 the step it was captured on, whatever the contexts of the steps that replay it.
 
-Each timing is counted (`timings()`, and per plugin the `decode_timings` stat) so that a run whose
-wall time holds one can be flagged, as runs.csv's path_timings flags the product paths'.
+Each timing is counted (`timings()`, per plugin the `decode_timings` stat, and for the core through
+ablate.api.tuning, which adds it to runs.csv's path_timings and lists the choice in environment.json).
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from ablate.api import tuning
 
 TIMED_RUNS = 3                 # timed calls per candidate after its warm-up: the median decides
 BATCH_CLASSES = (1, 16)        # upper bounds: 1 sequence, 2-16, 17+
@@ -146,6 +148,8 @@ def time_decode(key: DecodeKey, candidates: dict[str, Callable[[], torch.Tensor]
         seconds[name], outputs[name] = measure(name, fn, device)
     choice = DecodeChoice(min(seconds, key=seconds.get), seconds)
     _choices[key] = choice
+    tuning.timed()                                    # the core flags a run holding it, and lists the choice
+    tuning.chose("attention=paged decode", str(key), choice.label())
     return choice, outputs[choice.kernel]
 
 

@@ -217,3 +217,22 @@ def test_the_key_classes_batch_size_and_context_length():
     assert key.classes() == "batch 2-16, context 513-2048"
     assert decode_timing.decode_key(q, view.k_cache, [2049]).classes() == "batch 1, context 2049+"
     assert decode_timing.decode_key(q.expand(17, -1, -1), view.k_cache, [9] * 17).classes() == "batch 17+, context 1-512"
+
+
+def test_the_core_counts_each_timing_and_lists_each_choice(monkeypatch):
+    """Through ablate.api.tuning: runs.csv's path_timings adds the count, environment.json lists the choice."""
+    import torch
+
+    from ablate.api import tuning
+    from ablate_attention import decode_timing
+
+    saved = decode_timing.reset()
+    before = tuning.timings()
+    try:
+        key = ("cpu", "float32", 1, 4, 1, 4, "1", "1-512", 1)
+        choice, out = decode_timing.time_decode(key, {"a": lambda: torch.zeros(1), "b": lambda: torch.ones(1)},
+                                                torch.device("cpu"))
+        assert tuning.timings() == before + 1
+        assert tuning.choices()["attention=paged decode"][str(key)] == choice.label()
+    finally:
+        decode_timing.restore(saved)

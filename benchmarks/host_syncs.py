@@ -13,6 +13,8 @@ from ablate import process_env
 
 process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
 
+import argparse
+
 import pandas as pd
 import torch
 
@@ -32,6 +34,7 @@ def requests() -> list[Request]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     registry, model = default_registry(), LlamaModel.random(preset("tiny"))
     rows = []
     for name, (spec, per_draft) in BUILT_IN_ARMS.items():

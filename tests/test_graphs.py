@@ -35,19 +35,22 @@ def run_tokens(built, requests) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("spec", [
-    {"kv_cache": "contiguous", "attention": "sdpa"},
-    {"kv_cache": "contiguous", "attention": "flash"},
-    {"kv_cache": {"name": "dynamic", "initial_tokens": 4}, "attention": "sdpa"},   # reallocates: new graphs
-    {"kv_cache": {"name": "paged", "block_size": 4}, "attention": "sdpa"},
-    {"kv_cache": "contiguous", "attention": "sdpa", "scheduler": "continuous"},
-    {"kv_cache": {"name": "paged", "block_size": 4}, "attention": "sdpa", "scheduler": "continuous"},
-    {"kv_cache": "contiguous"},                                                    # naive attention
-    {"kv_cache": {"name": "paged", "block_size": 4}},                              # naive, gathered blocks
-    {"kv_cache": {"name": "paged", "block_size": 4}, "attention": {"name": "paged", "backend": "torch"}},
-    {"kv_cache": "contiguous", "variant": {"name": "mla", "rank": 16}},            # latent rows as K and V
-    {"kv_cache": "contiguous", "variant": {"name": "gqa", "kv_heads": 1}},
-], ids=["contiguous-sdpa", "contiguous-flash", "dynamic-growing", "paged", "continuous", "paged-continuous",
-        "contiguous-naive", "paged-naive", "paged-attention-gather", "mla", "gqa"])
+    pytest.param({"kv_cache": "contiguous", "attention": "sdpa"}, id="contiguous-sdpa"),
+    pytest.param({"kv_cache": "contiguous", "attention": "flash"}, id="contiguous-flash",
+                 marks=pytest.mark.slow),                                      # imports Triton: ~9 s
+    pytest.param({"kv_cache": {"name": "dynamic", "initial_tokens": 4}, "attention": "sdpa"},
+                 id="dynamic-growing"),                                        # reallocates: new graphs
+    pytest.param({"kv_cache": {"name": "paged", "block_size": 4}, "attention": "sdpa"}, id="paged"),
+    pytest.param({"kv_cache": "contiguous", "attention": "sdpa", "scheduler": "continuous"}, id="continuous"),
+    pytest.param({"kv_cache": {"name": "paged", "block_size": 4}, "attention": "sdpa", "scheduler": "continuous"},
+                 id="paged-continuous"),
+    pytest.param({"kv_cache": "contiguous"}, id="contiguous-naive"),
+    pytest.param({"kv_cache": {"name": "paged", "block_size": 4}}, id="paged-naive"),   # naive, gathered blocks
+    pytest.param({"kv_cache": {"name": "paged", "block_size": 4}, "attention": {"name": "paged", "backend": "torch"}},
+                 id="paged-attention-gather"),
+    pytest.param({"kv_cache": "contiguous", "variant": {"name": "mla", "rank": 16}}, id="mla"),   # latent rows
+    pytest.param({"kv_cache": "contiguous", "variant": {"name": "gqa", "kv_heads": 1}}, id="gqa"),
+])
 def test_replayed_decode_steps_give_the_eager_tokens(spec, build, make_requests):
     eager = run_tokens(build(spec), make_requests(PROMPT_LENS, MAX_NEW))
     built = build(spec)
@@ -153,6 +156,7 @@ def test_graph_mode_per_device():
     assert graph_mode(torch.device("cuda", 0), True) == "cuda-graphs"
 
 
+@pytest.mark.slow        # torch.compile: ~9 s
 def test_compiled_decode_on_the_cpu_matches_eager(build, make_requests, registry, tiny_model):
     from ablate.api.context import EngineConfig
     from ablate.engine.arm import baseline_configs, build_arm, resolve_arm

@@ -11,7 +11,8 @@ from ablate.testing.syncs import (BUILT_IN_ARMS, MAX_HOST_COPIES_PER_DECODE_STEP
 
 
 @pytest.mark.parametrize("record", [False, True], ids=["unrecorded", "recorded"])
-@pytest.mark.parametrize("name", BUILT_IN_ARMS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "graphs" else n   # compiles: slow
+                                  for n in BUILT_IN_ARMS])
 def test_decode_steps_make_few_host_syncs_and_copies_and_none_per_layer(name, record, build, make_requests):
     spec, per_draft = BUILT_IN_ARMS[name]
     found = summary(count_syncs(build(spec, record=record), make_requests([5, 9, 12], [6, 4, 8])))

@@ -48,7 +48,7 @@ UNITS = {
     "predicted_step_time_s_total": "predicted_step_time_total_s",
     "measured_step_time_s_total": "measured_step_time_total_s",
     "perplexity": "perplexity_ppl",     # exp(mean nats per token): its own unit
-    "kernel_compiles": "kernel_compiles_count",
+    "kernel_compiles": "kernel_compiles_count", "path_timings": "path_timings_count",
     # what the CPU did during a run (ablate.measure.cpu_load)
     "cpu_time_share": "cpu_time_share_frac", "cpu_others_cores": "cpu_others_cpus", "cpu_steal_share":
     "cpu_steal_share_frac", "cpu_wait_share": "cpu_wait_share_frac", "cpu_left_share": "cpu_left_share_frac",

@@ -74,6 +74,9 @@ def build_hf(kind: str):
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(**SMALL, tie_word_embeddings=False)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":             # q/k norms per head; a head_dim of its own (not d_model / n_heads)
+        cfg = transformers.Qwen3Config(**SMALL, head_dim=24, tie_word_embeddings=False)
+        model = transformers.Qwen3ForCausalLM(cfg)
     elif kind == "mistral":
         cfg = transformers.MistralConfig(**SMALL, sliding_window=64, tie_word_embeddings=False)
         model = transformers.MistralForCausalLM(cfg)
@@ -95,13 +98,14 @@ def pretrained(path: Path, **overrides) -> ModelConfig:
     return ModelConfig(name="checkpoint", init="pretrained", path=str(path), **overrides)
 
 
-@pytest.mark.parametrize("kind", ["llama-untied", "llama-tied", "llama3-rope", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama-untied", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3"])
 def test_hf_directory_matches_transformers(kind, tmp_path):
     hf = build_hf(kind)
     directory = save_hf(hf, tmp_path / kind)
     assert (directory / "model.safetensors.index.json").exists()      # really sharded
     model = load_model(pretrained(directory))
     assert model.config.qkv_bias == (kind == "qwen2")
+    assert model.config.qk_norm == (kind == "qwen3")
     assert model.config.tied_embeddings == (kind == "llama-tied")
     assert (model.config.rope_llama3_scaling is not None) == (kind == "llama3-rope")
 
@@ -332,7 +336,7 @@ def test_unsupported_model_type(tmp_path):
     with pytest.raises(ValueError) as e:
         load_model(pretrained(tmp_path))
     msg = str(e.value)
-    assert str(tmp_path) in msg and "gpt_neox" in msg and "llama, mistral, qwen2" in msg
+    assert str(tmp_path) in msg and "gpt_neox" in msg and "llama, mistral, qwen2, qwen3" in msg
 
 
 def test_missing_package_says_how_to_install(monkeypatch):
@@ -375,3 +379,24 @@ def test_smollm2_gguf_matches_transformers(smollm2_pair):
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                do_sample=False)[0, len(prompt):].tolist()
     assert ids == expected, (tok.decode(ids), tok.decode(expected))
+
+
+@pytest.mark.parametrize("kv_cache", ["none", "contiguous", {"name": "paged", "block_size": 4},
+                                      {"name": "dynamic", "initial_tokens": 4}])
+def test_a_qwen3_checkpoint_decodes_transformers_greedy_text_through_each_cache(kv_cache, build, make_requests,
+                                                                              tmp_path):
+    """Q/K norms in the prefill and in every decode step, whatever the cache keeps."""
+    hf = build_hf("qwen3")
+    model = load_model(pretrained(save_hf(hf, tmp_path / "qwen3", sharded=False)))
+    prompt = torch.randint(0, SMALL["vocab_size"], (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    request = make_requests([len(prompt)], [NEW_TOKENS])[0]
+    request = type(request)(request.request_id, tuple(prompt), NEW_TOKENS, request.sampling, ())
+    (seq,) = build({"kv_cache": kv_cache}, model, record=False).engine.run([request])
+    assert seq.output_token_ids == greedy(hf_logits(hf), prompt)
+
+
+@pytest.mark.parametrize("variant", [{"name": "gqa", "kv_heads": 1}, {"name": "mla", "rank": 8}])
+def test_a_qwen3_checkpoint_refuses_the_kv_conversions_naming_why(variant, build, tmp_path):
+    model = load_model(pretrained(save_hf(build_hf("qwen3"), tmp_path / "qwen3", sharded=False)))
+    with pytest.raises(Exception, match="qk_norm|q/k norms"):
+        build({"kv_cache": "contiguous", "variant": variant}, model)

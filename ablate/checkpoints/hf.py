@@ -17,7 +17,7 @@ import torch
 
 from ablate.checkpoints.lazy import LazyTensors
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 INDEX_FILE = "model.safetensors.index.json"
 
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -117,6 +117,7 @@ def hf_model_fields(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
         max_seq_len=int(config.get("max_position_embeddings", 2048)),
     )
     stored = config.get("dtype") or config.get("torch_dtype") or "float32"

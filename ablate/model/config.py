@@ -41,6 +41,7 @@ class ModelConfig:
     norm_eps: float = 1e-5             # RMSNorm epsilon
     tied_embeddings: bool = True       # LM head shares the token embedding matrix
     qkv_bias: bool = False             # Qwen2 has biases on the Q, K, V projections
+    qk_norm: bool = False              # Qwen3: an RMSNorm over each head's q and k (head_dim), before RoPE
     max_seq_len: int = 2048            # longest sequence (prompt + output) the RoPE table covers
     dtype: str = "fp32"                # fp32 | bf16 | fp16 | auto (the root config's default: see for_device)
     # auto: pretrained when model.path or model.package is set, else random (a path given means load
@@ -112,8 +113,8 @@ class ModelConfig:
         if self.n_kv_heads != self.n_heads:   # every query head gets its own K and V from the latent
             raise ValueError(f"model.attention_kind=mla needs model.n_kv_heads == model.n_heads ({self.n_heads}), "
                              f"got {self.n_kv_heads}")
-        if self.qkv_bias or self.architecture != "llama":
-            raise ValueError("model.attention_kind=mla supports Llama-family models without Q/K/V biases")
+        if self.qkv_bias or self.qk_norm or self.architecture != "llama":
+            raise ValueError("model.attention_kind=mla supports Llama-family models without Q/K/V biases or norms")
 
     def for_device(self, device: torch.device | str) -> ModelConfig:
         """This config with model.dtype=auto resolved for the device (resolve_dtype); else itself."""
@@ -151,6 +152,8 @@ class ModelConfig:
             attn = d * (self.n_heads * (hd + rope) + latent + rope) + 2 * self.n_heads * hd * latent + self.n_heads * hd * d
         if self.qkv_bias:
             attn += hd * (self.n_heads + 2 * self.n_kv_heads)
+        if self.qk_norm:
+            attn += 2 * hd
         mlp = (3 if self.architecture == "llama" else 2) * d * self.d_ff
         per_layer = attn + mlp + 2 * d
         body = self.n_layers * per_layer + d

@@ -52,6 +52,9 @@ class SelfAttention(nn.Module):
         self.kv_size = cfg.n_kv_heads * cfg.head_dim
         self.wqkv = Linear(cfg.d_model, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.wo = Linear(self.q_size, cfg.d_model, bias=False)
+        # Qwen3: each head's q and k RMS-normalised (one weight per head_dim, shared by the heads)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:
         q, k, v = fwd.dense(_project_qkv, self, x, rope)                      # (T, H, D), (T, H_kv, D) x 2
@@ -64,6 +67,8 @@ def _project_qkv(attn: SelfAttention, x: torch.Tensor, rope: tuple[torch.Tensor,
     t = x.shape[0]
     qkv = attn.wqkv(x)                                                       # (T, (H + 2 H_kv) D)
     qk = qkv[:, :attn.q_size + attn.kv_size].view(t, attn.n_heads + attn.n_kv_heads, attn.head_dim)
+    if attn.q_norm is not None:                                              # before RoPE, per head
+        qk = torch.cat((attn.q_norm(qk[:, :attn.n_heads]), attn.k_norm(qk[:, attn.n_heads:])), dim=1)
     q, k = apply_rope(qk, *rope).split((attn.n_heads, attn.n_kv_heads), dim=1)
     v = qkv[:, attn.q_size + attn.kv_size:].view(t, attn.n_kv_heads, attn.head_dim)
     return q, k, v
@@ -241,6 +246,9 @@ class LlamaModel(nn.Module):
                     put(layer.attn.wqkv.bias, (attn + "q_proj.bias", (qs,)), (attn + "k_proj.bias", (kvs,)),
                         (attn + "v_proj.bias", (kvs,)))
                 put(layer.attn.wo.weight, (attn + "o_proj.weight", (d, qs)))
+                if cfg.qk_norm:
+                    put(layer.attn.q_norm.weight, (attn + "q_norm.weight", (hd,)))
+                    put(layer.attn.k_norm.weight, (attn + "k_norm.weight", (hd,)))
                 put(layer.mlp.w_gate_up.weight, (pre + "mlp.gate_proj.weight", (cfg.d_ff, d)),
                     (pre + "mlp.up_proj.weight", (cfg.d_ff, d)))
                 put(layer.mlp.w_down.weight, (pre + "mlp.down_proj.weight", (d, cfg.d_ff)))

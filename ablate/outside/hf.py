@@ -47,9 +47,10 @@ def hf_llama(model: LlamaModel) -> Any:
         from transformers.modeling_utils import no_init_weights          # transformers 4
 
     c = model.config
-    if c.attention_kind != "mha" or c.qkv_bias or c.architecture != "llama":
+    if c.attention_kind != "mha" or c.qkv_bias or c.qk_norm or c.architecture != "llama":
         raise ValueError(f"engine=hf rebuilds Llama models without QKV biases; model {c.name!r} is "
-                         f"{c.architecture}/{c.attention_kind}" + (" with QKV biases" if c.qkv_bias else ""))
+                         f"{c.architecture}/{c.attention_kind}" + (" with QKV biases" if c.qkv_bias else "")
+                         + (" with q/k norms" if c.qk_norm else ""))
     scaling = {"rope_scaling": {"rope_type": "llama3", **c.rope_llama3_scaling}} if c.rope_llama3_scaling else {}
     config = transformers.LlamaConfig(
         hidden_size=c.d_model, num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,

@@ -82,6 +82,10 @@ def to_kv_heads(model: LlamaModel, kv_heads: int) -> LlamaModel:
         raise ValueError(f"variant=gqa converts per-head K/V projections (model.attention_kind=mha); model "
                          f"{cfg.name!r} uses attention_kind={cfg.attention_kind}, whose K/V heads it cannot pool: "
                          "run it with variant=none")
+    if cfg.qk_norm:
+        raise ValueError(f"variant=gqa pools K projections, and model {cfg.name!r} normalises each K head after "
+                         "its projection (qk_norm, Qwen3): pooled projections would meet a norm fitted to "
+                         "unpooled ones; run it with variant=none")
     if cfg.n_kv_heads % kv_heads and (kv_heads % cfg.n_kv_heads or cfg.n_heads % kv_heads):
         raise ValueError(f"variant.kv_heads={kv_heads} must divide model {cfg.name!r}'s {cfg.n_kv_heads} K/V heads, "
                          f"or be a multiple of them that divides its {cfg.n_heads} query heads")

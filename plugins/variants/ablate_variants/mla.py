@@ -185,11 +185,12 @@ def to_mla(model: LlamaModel, rank: int = 0, rope_frequencies: int = 0,
     """The model with MLA layers converted from its K/V projections; and each layer's relative error.
     `input_moments` (per layer, sum of x x^T of its attention's inputs) makes the SVD activation-aware."""
     src = model.config
-    if src.attention_kind != "mha" or src.qkv_bias:
-        right = "run it with variant=none" if src.attention_kind == "mla" else "use a model without Q/K/V biases"
-        raise ValueError(f"variant=mla converts Llama-family K/V projections without biases (model.attention_kind=mha, "
-                         f"qkv_bias=False); model {src.name!r} has attention_kind={src.attention_kind}, "
-                         f"qkv_bias={src.qkv_bias}: {right}")
+    if src.attention_kind != "mha" or src.qkv_bias or src.qk_norm:
+        right = ("run it with variant=none" if src.attention_kind == "mla"
+                 else "use a model without Q/K/V biases or per-head q/k norms")
+        raise ValueError(f"variant=mla converts Llama-family K/V projections without biases or norms (model."
+                         f"attention_kind=mha, qkv_bias=False, qk_norm=False); model {src.name!r} has attention_kind="
+                         f"{src.attention_kind}, qkv_bias={src.qkv_bias}, qk_norm={src.qk_norm}: {right}")
     shape = MLAShape.of(src, rank, rope_frequencies)
     dst = replace(src, attention_kind="mla", n_kv_heads=src.n_heads, kv_latent_dim=shape.rank,
                   rope_head_dim=shape.rope_dim)

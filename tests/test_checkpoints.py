@@ -74,6 +74,9 @@ def build_hf(kind: str):
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(**SMALL, tie_word_embeddings=False)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "phi3":              # Q, K, V in one qkv_proj; gate and up in one gate_up_proj
+        cfg = transformers.Phi3Config(**SMALL, tie_word_embeddings=False, pad_token_id=0)
+        model = transformers.Phi3ForCausalLM(cfg)
     elif kind == "qwen3":             # q/k norms per head; a head_dim of its own (not d_model / n_heads)
         cfg = transformers.Qwen3Config(**SMALL, head_dim=24, tie_word_embeddings=False)
         model = transformers.Qwen3ForCausalLM(cfg)
@@ -98,7 +101,7 @@ def pretrained(path: Path, **overrides) -> ModelConfig:
     return ModelConfig(name="checkpoint", init="pretrained", path=str(path), **overrides)
 
 
-@pytest.mark.parametrize("kind", ["llama-untied", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama-untied", "llama-tied", "llama3-rope", "mistral", "phi3", "qwen2", "qwen3"])
 def test_hf_directory_matches_transformers(kind, tmp_path):
     hf = build_hf(kind)
     directory = save_hf(hf, tmp_path / kind)
@@ -336,7 +339,7 @@ def test_unsupported_model_type(tmp_path):
     with pytest.raises(ValueError) as e:
         load_model(pretrained(tmp_path))
     msg = str(e.value)
-    assert str(tmp_path) in msg and "gpt_neox" in msg and "llama, mistral, qwen2, qwen3" in msg
+    assert str(tmp_path) in msg and "gpt_neox" in msg and "llama, mistral, phi3, qwen2, qwen3" in msg
 
 
 def test_missing_package_says_how_to_install(monkeypatch):
@@ -400,3 +403,13 @@ def test_a_qwen3_checkpoint_refuses_the_kv_conversions_naming_why(variant, build
     model = load_model(pretrained(save_hf(build_hf("qwen3"), tmp_path / "qwen3", sharded=False)))
     with pytest.raises(Exception, match="qk_norm|q/k norms"):
         build({"kv_cache": "contiguous", "variant": variant}, model)
+
+
+def test_rope_over_part_of_each_head_is_refused_naming_it(tmp_path):
+    hf = build_hf("phi3")
+    directory = save_hf(hf, tmp_path / "phi3", sharded=False)
+    config = json.loads((directory / "config.json").read_text())
+    config["partial_rotary_factor"] = 0.5
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match=r"partial_rotary_factor=0\.5"):
+        load_model(pretrained(directory))

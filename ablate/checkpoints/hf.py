@@ -17,7 +17,7 @@ import torch
 
 from ablate.checkpoints.lazy import LazyTensors
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 INDEX_FILE = "model.safetensors.index.json"
 
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -79,6 +79,10 @@ def _rope_settings(config: dict[str, Any], directory: Path) -> tuple[float, dict
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = float(config.get("rope_theta", params.get("rope_theta", 10_000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    rotary = float(config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
+    if rotary != 1.0:
+        raise CheckpointError(f"{directory}: RoPE over part of each head (partial_rotary_factor={rotary}) is not "
+                              "supported (only 1.0: every dimension rotated)")
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":

@@ -240,8 +240,11 @@ class LlamaModel(nn.Module):
             for i, layer in enumerate(model.layers):
                 pre = f"layers.{i}."
                 attn = pre + "self_attn."
-                put(layer.attn.wqkv.weight, (attn + "q_proj.weight", (qs, d)), (attn + "k_proj.weight", (kvs, d)),
-                    (attn + "v_proj.weight", (kvs, d)))
+                if attn + "qkv_proj.weight" in names:          # fused as ours (Phi-3): rows q, k, v
+                    put(layer.attn.wqkv.weight, (attn + "qkv_proj.weight", (qs + 2 * kvs, d)))
+                else:
+                    put(layer.attn.wqkv.weight, (attn + "q_proj.weight", (qs, d)), (attn + "k_proj.weight", (kvs, d)),
+                        (attn + "v_proj.weight", (kvs, d)))
                 if cfg.qkv_bias:
                     put(layer.attn.wqkv.bias, (attn + "q_proj.bias", (qs,)), (attn + "k_proj.bias", (kvs,)),
                         (attn + "v_proj.bias", (kvs,)))
@@ -249,8 +252,11 @@ class LlamaModel(nn.Module):
                 if cfg.qk_norm:
                     put(layer.attn.q_norm.weight, (attn + "q_norm.weight", (hd,)))
                     put(layer.attn.k_norm.weight, (attn + "k_norm.weight", (hd,)))
-                put(layer.mlp.w_gate_up.weight, (pre + "mlp.gate_proj.weight", (cfg.d_ff, d)),
-                    (pre + "mlp.up_proj.weight", (cfg.d_ff, d)))
+                if pre + "mlp.gate_up_proj.weight" in names:   # fused as ours (Phi-3): rows gate, up
+                    put(layer.mlp.w_gate_up.weight, (pre + "mlp.gate_up_proj.weight", (2 * cfg.d_ff, d)))
+                else:
+                    put(layer.mlp.w_gate_up.weight, (pre + "mlp.gate_proj.weight", (cfg.d_ff, d)),
+                        (pre + "mlp.up_proj.weight", (cfg.d_ff, d)))
                 put(layer.mlp.w_down.weight, (pre + "mlp.down_proj.weight", (d, cfg.d_ff)))
                 put(layer.attn_norm.weight, (pre + "input_layernorm.weight", (d,)))
                 put(layer.mlp_norm.weight, (pre + "post_attention_layernorm.weight", (d,)))

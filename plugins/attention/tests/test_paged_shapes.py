@@ -137,8 +137,9 @@ def test_mla_prefill_and_decode_through_paged_attention_and_a_paged_cache(backen
 @pytest.mark.parametrize("variant, message", [
     ("gqa", "variant=gqa converts per-head K/V projections (model.attention_kind=mha); model 'mla-tiny' uses "
             "attention_kind=mla, whose K/V heads it cannot pool: run it with variant=none"),
-    ("mla", "variant=mla converts Llama-family K/V projections without biases (model.attention_kind=mha, "
-            "qkv_bias=False); model 'mla-tiny' has attention_kind=mla, qkv_bias=False: run it with variant=none"),
+    ("mla", "variant=mla converts Llama-family K/V projections without biases or norms (model.attention_kind=mha, "
+            "qkv_bias=False, qk_norm=False); model 'mla-tiny' has attention_kind=mla, qkv_bias=False, qk_norm=False: "
+            "run it with variant=none"),
 ])
 def test_a_variant_the_model_cannot_take_is_one_message_with_the_fix(variant, message, ablate_registry):
     arm = resolve_arm("t", {"variant": variant, **paged("auto")}, baseline_configs(ablate_registry), ablate_registry)

@@ -162,8 +162,13 @@ class RunFolder:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
     def set_aside(self, why: str) -> Path:
-        """Move this folder to <id>.old-<time> (nothing measured is deleted); returns where."""
-        aside = self.path.with_name(f"{self.path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        """Move this folder to <id>.old-<time> (nothing measured is deleted); returns where. A second one
+        within the same second gets a suffix: moving onto an existing folder would nest it inside."""
+        stamp = f"{self.path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside, n = self.path.with_name(stamp), 1
+        while aside.exists():
+            n += 1
+            aside = self.path.with_name(f"{stamp}-{n}")
         shutil.move(self.path, aside)
         print(f"{why}: the earlier results moved to {aside}")
         return aside

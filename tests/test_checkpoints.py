@@ -384,8 +384,9 @@ def test_smollm2_gguf_matches_transformers(smollm2_pair):
     assert ids == expected, (tok.decode(ids), tok.decode(expected))
 
 
-@pytest.mark.parametrize("kv_cache", ["none", "contiguous", {"name": "paged", "block_size": 4},
-                                      {"name": "dynamic", "initial_tokens": 4}])
+@pytest.mark.parametrize("kv_cache", [pytest.param("none", marks=pytest.mark.slow), "contiguous",
+                                      pytest.param({"name": "paged", "block_size": 4}, marks=pytest.mark.slow),
+                                      pytest.param({"name": "dynamic", "initial_tokens": 4}, marks=pytest.mark.slow)])
 def test_a_qwen3_checkpoint_decodes_transformers_greedy_text_through_each_cache(kv_cache, build, make_requests,
                                                                               tmp_path):
     """Q/K norms in the prefill and in every decode step, whatever the cache keeps."""

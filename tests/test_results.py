@@ -309,3 +309,20 @@ def test_a_failing_job_in_a_sweep_is_recorded_and_keeps_earlier_results(compose_
 def test_load_refuses_a_folder_that_is_not_a_run(tmp_path):
     with pytest.raises(FileNotFoundError, match="not an ablate run folder"):
         load(tmp_path)
+
+
+def test_results_set_aside_twice_in_one_second_stay_side_by_side(tmp_path, monkeypatch):
+    """The second set-aside of a run within the same second must not be moved inside the first."""
+    import time as time_mod
+
+    from ablate.results import RunFolder
+
+    monkeypatch.setattr(time_mod, "strftime", lambda fmt, *a: "20261202-000000")
+    asides = []
+    for i in range(3):
+        folder = RunFolder(tmp_path / "abc")
+        folder.path.mkdir()
+        (folder.path / "runs.csv").write_text(f"round {i}\n")
+        asides.append(folder.set_aside("test"))
+    assert len(set(asides)) == 3 and all(a.parent == tmp_path for a in asides)
+    assert sorted((a / "runs.csv").read_text() for a in asides) == ["round 0\n", "round 1\n", "round 2\n"]

@@ -18,8 +18,8 @@ allows no sync) runs the default kernel (Triton, native) unless its key was chos
 warm-up run engine.graphs makes before each capture times it. A captured graph keeps the kernel of
 the step it was captured on, whatever the contexts of the steps that replay it.
 
-Each timing is counted (`timings()`, per plugin the `decode_timings` stat, and for the core through
-ablate.api.tuning, which adds it to runs.csv's path_timings and lists the choice in environment.json).
+Each timing is counted once, by ablate.api.tuning (`timings()` reads it), which adds it to runs.csv's
+path_timings and lists the choice in environment.json; per arm, the plugin's `decode_timings` stat.
 """
 from __future__ import annotations
 
@@ -88,7 +88,6 @@ def _ms(seconds: float) -> str:
 
 
 _choices: dict[DecodeKey, DecodeChoice] = {}
-_timings = 0
 
 
 def decode_key(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: list[int]) -> DecodeKey:
@@ -141,8 +140,6 @@ def time_decode(key: DecodeKey, candidates: dict[str, Callable[[], torch.Tensor]
                 device: torch.device) -> tuple[DecodeChoice, torch.Tensor]:
     """Time every candidate on the step they all compute; keep the fastest for `key`. Returns the
     choice and the winner's output (the step's result)."""
-    global _timings
-    _timings += 1
     seconds, outputs = {}, {}
     for name, fn in candidates.items():
         seconds[name], outputs[name] = measure(name, fn, device)
@@ -159,8 +156,8 @@ def decode_choices() -> dict[str, str]:
 
 
 def timings() -> int:
-    """Decode-kernel timings run so far in this process: a run that holds one has it in its time."""
-    return _timings
+    """Timings run so far in this process, plugins' alike: ablate.api.tuning keeps the one count."""
+    return tuning.timings()
 
 
 def reset() -> dict[DecodeKey, DecodeChoice]:

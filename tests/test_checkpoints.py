@@ -20,6 +20,7 @@ from ablate.checkpoints import loader as loader_mod
 from ablate.checkpoints.gguf import read_gguf
 from ablate.measure.quality import sequence_logits
 from ablate.model.config import ModelConfig, preset
+from ablate.testing.hf_models import SMALL, build_hf, save_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,56 +46,6 @@ def hf_logits(model):
 
 def ours(model):
     return lambda ids: sequence_logits(model, ids)
-
-
-def randomise(model: torch.nn.Module, seed: int = 0) -> None:
-    """Weights large enough that greedy continuations vary (HF's 0.02-std init makes them repeat),
-    and norms/biases away from 1/0 so that a mis-mapped one shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name:
-                p.copy_(1 + 0.2 * noise)
-            elif p.dim() == 1:
-                p.copy_(0.2 * noise)                     # Q/K/V biases
-            elif "embed_tokens" in name:
-                p.copy_(noise)
-            else:
-                p.copy_(noise * p.shape[1] ** -0.5)
-
-
-SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=96, vocab_size=320, max_position_embeddings=128, rms_norm_eps=1e-5)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32, "rope_theta": 10_000.0}
-
-
-def build_hf(kind: str):
-    if kind == "qwen2":
-        cfg = transformers.Qwen2Config(**SMALL, tie_word_embeddings=False)
-        model = transformers.Qwen2ForCausalLM(cfg)
-    elif kind == "phi3":              # Q, K, V in one qkv_proj; gate and up in one gate_up_proj
-        cfg = transformers.Phi3Config(**SMALL, tie_word_embeddings=False, pad_token_id=0)
-        model = transformers.Phi3ForCausalLM(cfg)
-    elif kind == "qwen3":             # q/k norms per head; a head_dim of its own (not d_model / n_heads)
-        cfg = transformers.Qwen3Config(**SMALL, head_dim=24, tie_word_embeddings=False)
-        model = transformers.Qwen3ForCausalLM(cfg)
-    elif kind == "mistral":
-        cfg = transformers.MistralConfig(**SMALL, sliding_window=64, tie_word_embeddings=False)
-        model = transformers.MistralForCausalLM(cfg)
-    else:
-        extra = {"rope_scaling": LLAMA3_ROPE} if kind == "llama3-rope" else {}
-        cfg = transformers.LlamaConfig(**SMALL, head_dim=16, tie_word_embeddings=kind == "llama-tied",
-                                       rope_theta=10_000.0, **extra)
-        model = transformers.LlamaForCausalLM(cfg)
-    randomise(model)
-    return model.eval()
-
-
-def save_hf(model, directory: Path, sharded: bool = True) -> Path:
-    model.save_pretrained(directory, max_shard_size="60KB" if sharded else "1GB")
-    return directory
 
 
 def pretrained(path: Path, **overrides) -> ModelConfig:

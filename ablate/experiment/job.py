@@ -103,6 +103,7 @@ def _job(cfg: RunConfig, raw: dict[str, Any], plan, registry: Registry, swallow_
          job_dir: str | None, say) -> RunFolder | None:
     device = dev.resolve(cfg.device)
     cfg = replace(cfg, model=cfg.model.for_device(device))
+    dev.refuse_emulated_dtype(cfg.model.dtype, device)      # before a run folder is made for it
     raw = resolved_config(raw, device)
     folder = RunFolder.for_config(Path(cfg.results_dir), cfg.experiment.name, run_identity(raw, device))
     try:

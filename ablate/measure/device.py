@@ -57,8 +57,35 @@ def describe(device: torch.device) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         info |= {"device_name": props.name, "device_memory_bytes": props.total_memory, "gpu": gpu_provenance(device)}
     else:
-        info |= {"device_name": _cpu_name(), "cpu_count": os.cpu_count() or 0}
+        info |= {"device_name": _cpu_name(), "cpu_count": os.cpu_count() or 0, "cpu_matrix_units": cpu_matrix_units()}
     return info
+
+
+def cpu_matrix_units() -> list[str]:
+    """The units this CPU multiplies bf16 matrices on, as torch (oneDNN) sees them: `amx-bf16` (tile
+    matrix units), `avx512-bf16` (bf16 dot products in vector registers); empty where bf16 products
+    are emulated in fp32 arithmetic (convert, multiply, round), which a bf16 timing would then measure."""
+    units = []
+    if torch.cpu._is_amx_tile_supported():
+        units.append("amx-bf16")
+    if torch.cpu._is_avx512_bf16_supported():
+        units.append("avx512-bf16")
+    return units
+
+
+def refuse_emulated_dtype(dtype: str, device: torch.device) -> None:
+    """A ValueError for model.dtype=bf16 on a CPU without bf16 matrix units, or fp16 on any CPU: the
+    products would be emulated, and the run would measure the emulation rather than the model."""
+    if device.type != "cpu":
+        return
+    if dtype == "fp16":
+        raise ValueError("model.dtype=fp16 on a CPU: no CPU ablate measures on multiplies fp16 matrices natively "
+                         "(its products would be emulated); use model.dtype=fp32, or bf16 on a CPU with AMX or "
+                         "AVX512-BF16")
+    if dtype == "bf16" and not cpu_matrix_units():
+        raise ValueError(f"model.dtype=bf16 on this CPU ({_cpu_name()}): it has neither AMX nor AVX512-BF16, so its "
+                         "bf16 products would be emulated in fp32 arithmetic and measure the emulation; use "
+                         "model.dtype=fp32 here, or bf16 on a CPU that has one of them")
 
 
 def huge_pages() -> dict[str, Any]:

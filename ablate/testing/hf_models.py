@@ -9,7 +9,6 @@ them repeat one token), and norms and biases away from 1 and 0, so that a mis-ma
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,23 +21,19 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 32, "rope_theta": 10_000.0}
 
 
-def _llama(tied: bool, **extra: Any) -> Callable:
-    def config(t):
-        return t.LlamaConfig(**SMALL, head_dim=16, tie_word_embeddings=tied, rope_theta=10_000.0, **extra)
-    return config
-
-
-# kind -> (transformers module -> the model's config, the model class's name)
-KINDS: dict[str, tuple[Callable, str]] = {
-    "llama-untied": (_llama(False), "LlamaForCausalLM"),
-    "llama-tied": (_llama(True), "LlamaForCausalLM"),
-    "llama3-rope": (_llama(False, rope_scaling=LLAMA3_ROPE), "LlamaForCausalLM"),
-    "mistral": (lambda t: t.MistralConfig(**SMALL, sliding_window=64, tie_word_embeddings=False), "MistralForCausalLM"),
+# kind -> (transformers' config class, its causal-LM class, the config's fields beyond SMALL).
+# build_hf(kind, **shape) changes the shape (benchmarks/model_parity.py times a wider one)
+KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama-untied": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=16, tie_word_embeddings=False, rope_theta=10_000.0)),
+    "llama-tied": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=16, tie_word_embeddings=True, rope_theta=10_000.0)),
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=16, tie_word_embeddings=False, rope_theta=10_000.0,
+                                                          rope_scaling=LLAMA3_ROPE)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=64, tie_word_embeddings=False)),
     # Q, K, V in one qkv_proj; gate and up in one gate_up_proj
-    "phi3": (lambda t: t.Phi3Config(**SMALL, tie_word_embeddings=False, pad_token_id=0), "Phi3ForCausalLM"),
-    "qwen2": (lambda t: t.Qwen2Config(**SMALL, tie_word_embeddings=False), "Qwen2ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False, pad_token_id=0)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     # q/k norms per head; a head_dim of its own (not d_model / n_heads)
-    "qwen3": (lambda t: t.Qwen3Config(**SMALL, head_dim=24, tie_word_embeddings=False), "Qwen3ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=False)),
 }
 
 
@@ -58,14 +53,16 @@ def randomise(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(noise * p.shape[-1] ** -0.5)
 
 
-def build_hf(kind: str, seed: int = 0) -> torch.nn.Module:
-    """A random transformers model of `kind` (a key of KINDS), in eval mode."""
+def build_hf(kind: str, seed: int = 0, **shape: Any) -> torch.nn.Module:
+    """A random transformers model of `kind` (a key of KINDS), in eval mode; `shape` overrides config
+    fields (hidden_size=512, num_hidden_layers=4...)."""
     import transformers
 
     if kind not in KINDS:
         raise ValueError(f"no random model kind {kind!r}; the kinds are {', '.join(KINDS)}")
-    config, class_name = KINDS[kind]
-    model = getattr(transformers, class_name)(config(transformers))
+    config_class, model_class, fields = KINDS[kind]
+    config = getattr(transformers, config_class)(**(SMALL | fields | shape))
+    model = getattr(transformers, model_class)(config)
     randomise(model, seed)
     return model.eval()
 

@@ -117,6 +117,23 @@ def test_hf_refuses_what_it_cannot_rebuild(tiny_model):
     assert hf_engine(tiny_model, prompt_lookup=2).batch_limit() == 1
 
 
+@needs_hf
+def test_a_model_from_a_hugging_face_directory_runs_in_hf_from_that_directory(build, make_requests, tmp_path):
+    """Any architecture ablate reads (here Qwen3's q/k norms, which hf_llama cannot rebuild) is compared
+    with transformers running the checkpoint itself."""
+    from ablate.checkpoints import load_model
+    from ablate.model.config import ModelConfig
+    from ablate.testing.hf_models import build_hf, save_hf
+
+    directory = save_hf(build_hf("qwen3"), tmp_path / "qwen3", sharded=False)
+    model = load_model(ModelConfig(name="checkpoint", init="pretrained", path=str(directory)))
+    requests = make_requests(PROMPT_LENS, NEW_TOKENS)
+    ours = {s.seq_id: s.output_token_ids for s in build({"kv_cache": "contiguous"}, model, record=False).engine.run(requests)}
+    engine = hf_engine(model)
+    assert type(engine.hf).__name__ == "Qwen3ForCausalLM" and str(directory) in engine.describe()["weights"]
+    assert engine.serve(requests, Timeline()) == ours
+
+
 # -- the one-batch-at-a-time driver, with an engine whose tokens are scripted -------------------------
 
 def scripted_token(request: Request, k: int) -> int:

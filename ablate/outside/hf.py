@@ -1,8 +1,10 @@
 """engine=hf: Hugging Face transformers' `generate`, on the experiment's own weights.
 
-The experiment's model (a checkpoint or a random preset) is rebuilt as transformers' LlamaForCausalLM
-holding the same tensors, so that the two engines differ only in how they run it: greedy tokens must
-then agree with ablate's (up to rounding, checked like an exact plugin's). Its techniques are its own:
+A model read from a Hugging Face directory (model.path) is loaded from it by transformers, whatever
+its architecture; any other (a GGUF file, a random preset) is rebuilt as transformers'
+LlamaForCausalLM holding the same tensors. Either way the two engines differ only in how they run
+the same weights: greedy tokens must then agree with ablate's (up to rounding, checked like an exact
+plugin's). Its techniques are its own:
 the KV cache it keeps (`cache`: dynamic grows per step, static is allocated once for the longest
 sequence) and prompt-lookup decoding (`prompt_lookup`: n-gram drafts from the prompt, batch 1 only).
 
@@ -11,6 +13,7 @@ sequence) and prompt-lookup decoding (`prompt_lookup`: n-gram drafts from the pr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +41,21 @@ class HFConfig(OutsideEngineConfig):
             raise ValueError(f"prompt_lookup must be >= 0, got {self.prompt_lookup}")
 
 
+def hf_model(model: LlamaModel) -> Any:
+    """transformers' model of the experiment's weights, in its dtype: loaded from the Hugging Face
+    directory they came from (every architecture ablate reads), else rebuilt as a Llama (hf_llama)."""
+    import transformers
+
+    c = model.config
+    if c.path and Path(c.path).is_dir():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(c.path, dtype=c.torch_dtype).eval()
+        # the requests' own lengths and stop tokens end each row (UntilDone), not the checkpoint's eos
+        hf.generation_config.eos_token_id = None
+        hf.generation_config.pad_token_id = PAD_ID
+        return hf
+    return hf_llama(model)
+
+
 def hf_llama(model: LlamaModel) -> Any:
     """transformers' LlamaForCausalLM holding `model`'s tensors (copied: the layouts differ), in its dtype."""
     import transformers
@@ -48,7 +66,8 @@ def hf_llama(model: LlamaModel) -> Any:
 
     c = model.config
     if c.attention_kind != "mha" or c.qkv_bias or c.qk_norm or c.architecture != "llama":
-        raise ValueError(f"engine=hf rebuilds Llama models without QKV biases; model {c.name!r} is "
+        raise ValueError(f"engine=hf rebuilds Llama models without QKV biases or q/k norms (any other "
+                         f"architecture runs from its Hugging Face directory: model.path=DIR); model {c.name!r} is "
                          f"{c.architecture}/{c.attention_kind}" + (" with QKV biases" if c.qkv_bias else "")
                          + (" with q/k norms" if c.qk_norm else ""))
     scaling = {"rope_scaling": {"rope_type": "llama3", **c.rope_llama3_scaling}} if c.rope_llama3_scaling else {}
@@ -122,14 +141,17 @@ class HFGenerate(OneBatchAtATime):
 
     def __init__(self, config: HFConfig, model: LlamaModel, max_batch: int) -> None:
         super().__init__(config, model, max_batch)
-        self.hf = hf_llama(model)
+        self.hf = hf_model(model)
 
     @classmethod
     def is_exact(cls, config: HFConfig) -> bool:
         return True     # the same tensors in the same dtype; prompt lookup keeps greedy tokens
 
     def describe(self) -> dict[str, str]:
-        return {"precision": self.model.config.dtype, "weights": "the experiment's, as transformers' Llama",
+        c = self.model.config
+        weights = (f"the experiment's, from {c.path}" if c.path and Path(c.path).is_dir()
+                   else "the experiment's, as transformers' Llama")
+        return {"precision": c.dtype, "weights": weights,
                 "batching": "static (one generate() per batch)" if self.batch_limit() > 1 else "one request at a time"}
 
     def batch_limit(self) -> int:

@@ -1,0 +1,191 @@
+"""DeepSeek-V2/V3 checkpoints (multi-head latent attention as published) against transformers.
+
+Small random models built by transformers (ablate.testing.hf_models: every layer dense), saved and
+loaded through ablate.checkpoints: logits, greedy text through the engine's caches with the absorbed
+and the explicit decode, the KV bytes a token takes, and what is refused.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ablate.checkpoints import load_model
+from ablate.checkpoints.hf import CheckpointError
+from ablate.measure.quality import sequence_logits
+from ablate.model.config import ModelConfig
+from ablate.model.mla import MultiHeadLatentAttention, set_absorbed
+from ablate.testing.hf_models import DEEPSEEK_MLA, SMALL, build_hf, save_hf
+
+pytest.importorskip("transformers")
+
+TOL = 1e-3               # max |logit difference| in fp32
+NEW_TOKENS = 24
+KINDS = ["deepseek-v2", "deepseek-v2-lite", "deepseek-v3", "deepseek-v3-yarn"]
+
+
+def pretrained(path: Path) -> ModelConfig:
+    return ModelConfig(name="checkpoint", init="pretrained", path=str(path))
+
+
+def prompt(length: int = 12, seed: int = 1) -> list[int]:
+    return torch.randint(0, SMALL["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def hf_greedy(hf, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
+    """n greedy tokens from transformers, the whole sequence run again each time (no cache of its own)."""
+    ids = list(ids)
+    for _ in range(n):
+        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()             # (T, V)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """kind -> (transformers' model, the directory it is saved in), built once per module."""
+    made = {}
+
+    def get(kind: str, **shape):
+        key = (kind, tuple(sorted(shape.items())))
+        if key not in made:
+            hf = build_hf(kind, **shape)
+            made[key] = hf, save_hf(hf, tmp_path_factory.mktemp(kind), sharded=not shape)
+        return made[key]
+    return get
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_deepseek_checkpoint_matches_transformers(kind, saved):
+    hf, directory = saved(kind)
+    model = load_model(pretrained(directory))
+    cfg, hf_cfg = model.config, hf.config
+    assert cfg.attention_kind == "mla" and cfg.latent_norms
+    assert (cfg.head_dim, cfg.rope_head_dim, cfg.value_head_dim, cfg.kv_latent_dim) == (
+        hf_cfg.qk_nope_head_dim, hf_cfg.qk_rope_head_dim, hf_cfg.v_head_dim, hf_cfg.kv_lora_rank)
+    assert cfg.q_lora_rank == (hf_cfg.q_lora_rank or 0)
+    assert (cfg.rope_yarn_scaling is not None) == kind.endswith("yarn")
+    ids = prompt()
+    diff = (sequence_logits(model, ids) - hf_logits(hf, ids)).abs().max().item()
+    assert diff < TOL, f"{kind}: max |logit diff| {diff:.2e}"
+    ours = []
+    for _ in range(NEW_TOKENS):
+        ours.append(int(sequence_logits(model, ids + ours)[-1].argmax()))
+    assert ours == hf_greedy(hf, ids)
+
+
+def test_yarn_and_the_rotary_permutation_change_the_logits(saved):
+    """What the test above checks is not vacuous: without YaRN's frequencies and scales, or without
+    turning the interleaved rotary rows into halves, the logits differ."""
+    ids = prompt(40)
+    hf, directory = saved("deepseek-v3-yarn")
+    yarn = load_model(pretrained(directory))
+    plain = load_model(pretrained(directory))
+    for layer in plain.layers:
+        layer.attn.softmax_scale = (plain.config.head_dim + plain.config.rope_head_dim) ** -0.5
+    plain.rope = type(plain.rope)(plain.config.rope_head_dim, plain.config.max_seq_len, plain.config.rope_base)
+    assert (sequence_logits(yarn, ids) - sequence_logits(plain, ids)).abs().max() > 1e-2
+
+    hf, directory = saved("deepseek-v3")
+    notes = json.loads((directory / "config.json").read_text())
+    notes["rope_interleave"] = False        # the same weights read as if already in halves: no permutation
+    (directory / "config.json").write_text(json.dumps(notes))
+    try:
+        unpermuted = load_model(pretrained(directory))
+    finally:
+        notes["rope_interleave"] = True
+        (directory / "config.json").write_text(json.dumps(notes))
+    assert (sequence_logits(unpermuted, ids) - hf_logits(hf, ids)).abs().max() > 1e-2
+
+
+def test_deepseek_v3_without_interleaved_rope_reads_its_rows_as_they_are(saved):
+    hf, directory = saved("deepseek-v3", rope_interleave=False)
+    model = load_model(pretrained(directory))
+    assert model.checkpoint_notes["rope_interleaved"] is False
+    ids = prompt()
+    assert (sequence_logits(model, ids) - hf_logits(hf, ids)).abs().max().item() < TOL
+
+
+def engine_greedy(build, make_requests, model, ids: list[int], kv_cache) -> list[int]:
+    request = make_requests([len(ids)], [NEW_TOKENS])[0]
+    request = type(request)(request.request_id, tuple(ids), NEW_TOKENS, request.sampling, ())
+    (seq,) = build({"kv_cache": kv_cache}, model, record=False).engine.run([request])
+    return seq.output_token_ids
+
+
+@pytest.mark.parametrize("kv_cache", [pytest.param("none", marks=pytest.mark.slow), "contiguous",
+                                      pytest.param({"name": "paged", "block_size": 4}, marks=pytest.mark.slow),
+                                      pytest.param({"name": "dynamic", "initial_tokens": 4}, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["deepseek-v2", pytest.param("deepseek-v2-lite", marks=pytest.mark.slow),
+                                  "deepseek-v3"])
+def test_the_engine_decodes_transformers_greedy_text_absorbed_and_explicit(kind, kv_cache, saved, build,
+                                                                           make_requests, monkeypatch):
+    """Every decode step through the cache's latent rows: W_UK folded into the query and W_UV applied
+    after attention (absorbed), or K and V up-projected for every cached token (explicit)."""
+    hf, directory = saved(kind)
+    ids = prompt(seed=2)
+    expected = hf_greedy(hf, ids)
+    model = load_model(pretrained(directory))
+    calls = []
+    absorbed = MultiHeadLatentAttention.absorbed
+    monkeypatch.setattr(MultiHeadLatentAttention, "absorbed", lambda self, *a: calls.append(1) or absorbed(self, *a))
+    assert engine_greedy(build, make_requests, set_absorbed(model, True), ids, kv_cache) == expected
+    decodes = len(calls)
+    assert decodes >= (NEW_TOKENS - 1) * model.config.n_layers or kv_cache == "none"   # none: prefills only
+    assert engine_greedy(build, make_requests, set_absorbed(model, False), ids, kv_cache) == expected
+    assert len(calls) == decodes                                                       # never absorbed
+
+
+def test_a_token_caches_the_latent_and_the_rotary_key_of_each_layer(saved, build):
+    _, directory = saved("deepseek-v2")
+    model = load_model(pretrained(directory))
+    layers, latent, rope = SMALL["num_hidden_layers"], DEEPSEEK_MLA["kv_lora_rank"], DEEPSEEK_MLA["qk_rope_head_dim"]
+    expected = layers * (latent + rope) * 4                                 # fp32
+    assert model.config.kv_bytes_per_token() == expected
+    cache = build({"kv_cache": "contiguous"}, model, max_num_seqs=2, max_seq_len=16).kv_cache
+    assert cache.bytes_per_token == expected
+    assert cache.bytes_reserved() == expected * 2 * 16                      # its buffers: every token slot
+    # MHA would cache K (d_h + d_R) and V (d_v) per head: the latent is several times smaller
+    mha = layers * SMALL["num_attention_heads"] * (
+        DEEPSEEK_MLA["qk_nope_head_dim"] + rope + DEEPSEEK_MLA["v_head_dim"]) * 4
+    assert expected * 4 < mha
+
+
+@pytest.mark.parametrize("variant", [{"name": "gqa", "kv_heads": 1}, {"name": "mla", "rank": 8}])
+def test_kv_conversions_of_a_deepseek_model_are_refused_naming_why(variant, saved, build):
+    _, directory = saved("deepseek-v2")
+    model = load_model(pretrained(directory))
+    with pytest.raises(Exception, match="attention_kind=mla"):
+        build({"kv_cache": "contiguous", "variant": variant}, model)
+
+
+def edited(directory: Path, tmp_path: Path, **changes) -> Path:
+    """A copy of the checkpoint directory with config.json's fields changed."""
+    copy = tmp_path / "edited"
+    copy.mkdir()
+    for file in directory.iterdir():
+        (copy / file.name).write_bytes(file.read_bytes())
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(config | changes))
+    return copy
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"first_k_dense_replace": 1, "n_routed_experts": 4},
+     r"layers 1\.\.1 are mixture-of-experts \(first_k_dense_replace=1 < num_hidden_layers=2; n_routed_experts=4"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+     r"RoPE scaling 'dynamic' is not supported for deepseek_v2 \(only 'yarn', or none\)"),
+    ({"qk_rope_head_dim": 7}, r"qk_rope_head_dim must be even"),
+    ({"kv_lora_rank": None}, r"config.json: kv_lora_rank must be a whole number > 0, got None"),
+])
+def test_what_cannot_run_is_refused_naming_the_field(changes, message, saved, tmp_path):
+    _, directory = saved("deepseek-v2")
+    with pytest.raises(CheckpointError, match=message):
+        load_model(pretrained(edited(directory, tmp_path, **changes)))

@@ -14,7 +14,7 @@ from ablate.api.executor import Executor, ModelSession
 from ablate.api.kv import (KVBudgetConfig, KVSpec, KVView, PackedKV, PaddedKV, PagedKV, budget_bytes,
                            free_memory_bytes)
 from ablate.api.kv_cache import KVCache
-from ablate.api.packing import causal_mask, pad_queries, unpad_queries
+from ablate.api.packing import LayerAttention, causal_mask, pad_queries, softcapped_attention, unpad_queries
 from ablate.api.plugin import Plugin, PluginConfig, PluginError, QualityBound, Requirement, Slot, Stat, StatFigure
 from ablate.api.rows import RowBuffers
 from ablate.api.sampling import Sampler, greedy, probabilities
@@ -24,8 +24,9 @@ from ablate.api.step import Batch, StepInputs, StepLogits, device_tensor
 
 __all__ = [
     "Attention", "Batch", "BuildContext", "Decoding", "EngineConfig", "Executor", "KVBudgetConfig", "KVCache",
-    "KVSpec", "KVView", "ModelSession", "ModelVariant", "PackedKV", "PaddedKV", "PagedKV", "Plugin",
+    "KVSpec", "KVView", "LayerAttention", "ModelSession", "ModelVariant", "PackedKV", "PaddedKV", "PagedKV", "Plugin",
     "PluginConfig", "PluginError", "QualityBound", "Request", "Requirement", "RowBuffers", "Sampler", "SamplingParams",
     "Scheduler", "Sequence", "Slot", "Stat", "StatFigure", "Status", "StepInputs", "StepLogits", "budget_bytes",
-    "causal_mask", "device_tensor", "free_memory_bytes", "greedy", "now", "pad_queries", "probabilities", "unpad_queries",
+    "causal_mask", "device_tensor", "free_memory_bytes", "greedy", "now", "pad_queries", "probabilities", "softcapped_attention",
+    "unpad_queries",
 ]

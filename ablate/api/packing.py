@@ -1,17 +1,42 @@
-"""Helpers for attention plugins: packed <-> padded queries, and the causal mask over a view's keys."""
+"""Helpers for attention plugins: packed <-> padded queries, the causal mask over a view's keys (with
+a sliding window), what a layer's attention adds to the plain one (LayerAttention), and attention
+with soft-capped scores."""
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
 from ablate.api.step import StepInputs, device_tensor
 
+SLIDING_WINDOW = "sliding_window"   # the names of the features an Attention plugin declares (Attention.features)
+SOFTCAP = "softcap"
 
-def causal_mask(step: StepInputs, num_keys: int | None = None) -> torch.Tensor:
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention computes beyond softmax(q k^T / sqrt(D) + causal mask) v. The
+    forward passes it (`attention(q, view, step, layer)`) only for a layer that needs a feature, and
+    only to a plugin that declares that feature in Attention.features."""
+
+    window: int | None = None      # the query at position p sees keys p - window + 1 .. p only (Mistral, Gemma)
+    softcap: float | None = None   # scaled scores s -> softcap x tanh(s / softcap), before the mask (Gemma 2)
+
+    @property
+    def features(self) -> frozenset[str]:
+        return frozenset([SLIDING_WINDOW] * (self.window is not None) + [SOFTCAP] * (self.softcap is not None))
+
+
+def causal_mask(step: StepInputs, num_keys: int | None = None, window: int | None = None) -> torch.Tensor:
     """(B, Lq, S) True where query i of sequence b may see key j; S = num_keys, the width of the keys
     attention reads (view.padded's), by default the step's longest kv_len.
 
     Aligned at the end: with L = kv_lens[b] keys and q = query_lens[b] queries, query i sees keys
     j <= L - q + i, and only keys that exist (j < L). Padded query rows see every real key (no NaNs).
+    With a window W it sees only keys j > L - q + i - W: W keys, itself included (transformers'
+    sliding window). The window counts the view's keys, which are the positions for every cache
+    that keeps all tokens (one that evicts, streaming, counts what it kept).
     In a decode step captured for replay (step.graphed) the mask is built from kv_lens_t alone: pass
     num_keys, since the step's lists hold the lengths of the step it was captured on.
     """
@@ -22,12 +47,34 @@ def causal_mask(step: StepInputs, num_keys: int | None = None) -> torch.Tensor:
         kv = step.kv_lens_t.long()                                         # (B,)
         j = torch.arange(s, device=device)                                 # (S,)
         if step.graphed:                                                   # one query, the sequence's last
-            return (j[None, :] < kv[:, None])[:, None, :]                  # (B, 1, S)
+            seen = j[None, :] < kv[:, None]                                # (B, S)
+            if window is not None:
+                seen &= j[None, :] >= kv[:, None] - window
+            return seen[:, None, :]                                        # (B, 1, S)
         qlen = device_tensor(step.query_lens, torch.long, device)          # (B,)
         i = torch.arange(step.max_query_len, device=device)                # (Lq,)
         last = (kv - qlen)[:, None] + i[None, :]                           # (B, Lq): last key each query sees
-        return (j[None, None, :] <= last[:, :, None]) & (j[None, None, :] < kv[:, None, None])
-    return step.memo(f"causal_mask/{s}", make)
+        seen = (j[None, None, :] <= last[:, :, None]) & (j[None, None, :] < kv[:, None, None])
+        if window is not None:   # a padded row's last is past the keys: its window ends at the last key
+            first = torch.minimum(last, (kv - 1)[:, None]) - window        # (B, Lq): keys after it are seen
+            seen &= j[None, None, :] > first[:, :, None]
+        return seen
+    return step.memo(f"causal_mask/{s}/{window}", make)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         softcap: float) -> torch.Tensor:
+    """softmax(c tanh(q k^T / (c sqrt(D))) + mask) v with c = softcap, in fp32 (SDPA cannot cap the
+    scores). q (B, H, Lq, D); k, v (B, H_kv, S, D); mask (B, 1, Lq, S) bool or None -> (B, H, Lq, D_v)
+    in q's dtype."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1).float()                             # (B, H, S, D)
+    v = v.repeat_interleave(groups, dim=1).float()
+    scores = q.float() @ k.transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))   # (B, H, Lq, S)
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)                    # (B, H, Lq, D_v)
 
 
 def pad_queries(q: torch.Tensor, step: StepInputs) -> torch.Tensor:

@@ -22,12 +22,14 @@ naming `<slot>=<name>.<method>`, raised by the engine as it runs.
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Sequence as ListOf
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ablate.api.executor import Executor
 from ablate.api.kv import KVView
+from ablate.api.packing import LayerAttention
 from ablate.api.kv_cache import KVCache
 from ablate.api.plugin import Plugin, PluginConfig, PluginError, Slot
 from ablate.api.sequence import Sequence, Status
@@ -43,6 +45,11 @@ class Attention(Plugin):
     Sequence b's queries are rows query_starts[b] : query_starts[b+1] of q; it has kv_lens[b] keys in
     the view, and its query i sees keys 0 .. kv_lens[b] - query_lens[b] + i (ablate.api.causal_mask).
     Query heads share K/V heads in groups: head h reads K/V head h // (H / H_kv).
+
+    A layer that needs more (a sliding window, soft-capped scores: Mistral, Qwen2, Gemma) is called
+    as attention(q, view, step, layer) with its LayerAttention, and only when the plugin declares
+    those features in `features`; a model with such layers is refused at build time by a plugin that
+    does not (missing_features), so a plugin declaring none is only ever called with three arguments.
     """
 
     slot = Slot.ATTENTION
@@ -50,6 +57,22 @@ class Attention(Plugin):
     # per-sequence lengths from step.kv_lens_t (not the lists) when step.graphed, allocates only
     # through torch, and never waits for the GPU (.item(), .tolist(), nonzero(), bool(tensor))
     graph_safe: ClassVar[bool] = False
+    # the LayerAttention features __call__ computes when passed a layer: "sliding_window", "softcap"
+    features: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def missing_features(cls, layers: ListOf[LayerAttention | None]) -> str | None:
+        """Why this plugin cannot run a model whose layers need `layers` (one per layer, None: plain
+        attention), naming the plugin, each feature it lacks and the layers that need it; or None."""
+        lacking: dict[str, list[int]] = {}
+        for index, layer in enumerate(layers):
+            for feature in sorted(layer.features - cls.features if layer is not None else ()):
+                lacking.setdefault(feature, []).append(index)
+        if not lacking:
+            return None
+        needs = "; ".join(f"{feature} (layers {', '.join(map(str, where))})" for feature, where in lacking.items())
+        return (f"attention={cls.name} does not support {needs}, which the model needs; choose an attention "
+                f"plugin that declares {' and '.join(lacking)} in its `features` (naive, sdpa, paged)")
 
     @property
     def backend(self) -> str:
@@ -58,7 +81,8 @@ class Attention(Plugin):
 
     @abstractmethod
     def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs) -> torch.Tensor:
-        """q (T, H, D) packed queries -> (T, H, D_v) in q's dtype."""
+        """q (T, H, D) packed queries -> (T, H, D_v) in q's dtype. A plugin declaring `features` takes a
+        fourth argument, `layer: LayerAttention | None = None`."""
 
 
 class Scheduler(Plugin):

@@ -1,4 +1,5 @@
-"""attention=naive: materialise the (queries x keys) score matrix, softmax in fp32."""
+"""attention=naive: materialise the (queries x keys) score matrix, softmax in fp32; sliding windows
+(in the mask) and soft-capped scores (Gemma 2) for the layers that have them."""
 from __future__ import annotations
 
 import math
@@ -6,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ablate.api import Attention, KVView, PluginConfig, StepInputs, causal_mask, pad_queries, unpad_queries
+from ablate.api import (Attention, KVView, LayerAttention, PluginConfig, StepInputs, causal_mask, pad_queries,
+                        unpad_queries)
 
 
 @dataclass
@@ -18,8 +20,10 @@ class NaiveAttention(Attention):
     name = "naive"
     config_class = NaiveAttentionConfig
     graph_safe = True     # view.padded and causal_mask read a captured step's lengths from kv_lens_t
+    features = frozenset({"sliding_window", "softcap"})
 
-    def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs,
+                 layer: LayerAttention | None = None) -> torch.Tensor:
         k, v = view.padded(step)                                   # (B, S, H_kv, D)
         qp = pad_queries(q, step)                                  # (B, Lq, H, D)
         b, lq, h, d = qp.shape
@@ -29,7 +33,9 @@ class NaiveAttention(Attention):
         qg = qp.view(b, lq, h_kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, h_kv, g * lq, d)  # (B, H_kv, G*Lq, D)
         scores = qg.float() @ k.permute(0, 2, 3, 1).float()       # (B, H_kv, G*Lq, S)
         scores = scores.view(b, h_kv, g, lq, -1) * (1.0 / math.sqrt(d))
-        mask = causal_mask(step, k.shape[1])                       # (B, Lq, S)
+        if layer is not None and layer.softcap is not None:       # c tanh(s / c), before the mask
+            scores = layer.softcap * torch.tanh(scores / layer.softcap)
+        mask = causal_mask(step, k.shape[1], layer.window if layer is not None else None)   # (B, Lq, S)
         scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(b, h_kv, g * lq, -1)
         out = probs @ v.permute(0, 2, 1, 3).float()                # (B, H_kv, G*Lq, D_v)

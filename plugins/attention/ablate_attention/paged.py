@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ablate.api import (Attention, BuildContext, KVView, PagedKV, PluginConfig, Requirement, Slot, Stat, StepInputs,
-                        causal_mask, native, pad_queries, unpad_queries)
+from ablate.api import (Attention, BuildContext, KVView, LayerAttention, PagedKV, PluginConfig, Requirement, Slot, Stat,
+                        StepInputs, causal_mask, native, pad_queries, softcapped_attention, unpad_queries)
 from ablate_attention import decode_timing
 from ablate_attention.flash import unsupported_shape
 
@@ -49,12 +49,19 @@ class PagedAttentionConfig(PluginConfig):
             raise ValueError(f"attention.backend must be one of {BACKENDS}, got {self.backend!r}")
 
 
-def gathered_attention(q: torch.Tensor, view: KVView, step: StepInputs) -> torch.Tensor:
-    """The PyTorch path: gather K/V through the block tables, then masked SDPA. q (T, H, D) -> (T, H, D)."""
+def gathered_attention(q: torch.Tensor, view: KVView, step: StepInputs,
+                       layer: LayerAttention | None = None) -> torch.Tensor:
+    """The PyTorch path: gather K/V through the block tables, then masked SDPA (with the layer's
+    window; an explicit softmax for soft-capped scores). q (T, H, D) -> (T, H, D)."""
     k, v = view.padded(step)                                   # (B, S, H_kv, D): k_cache[block_tables] flattened
     qp = pad_queries(q, step).transpose(1, 2)                  # (B, H, Lq, D)
-    mask = causal_mask(step, k.shape[1])[:, None]              # (B, 1, Lq, S): key j <= query position, j < context
-    out = F.scaled_dot_product_attention(qp, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True)
+    window = layer.window if layer is not None else None
+    mask = causal_mask(step, k.shape[1], window)[:, None]      # (B, 1, Lq, S): key j <= query position, j < context
+    if layer is not None and layer.softcap is not None:
+        out = softcapped_attention(qp, k.transpose(1, 2), v.transpose(1, 2), mask, layer.softcap)
+    else:
+        out = F.scaled_dot_product_attention(qp, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                             enable_gqa=True)
     return unpad_queries(out.transpose(1, 2), step)            # (T, H, D)
 
 
@@ -104,6 +111,8 @@ class PagedAttention(Attention):
     name = "paged"
     config_class = PagedAttentionConfig
     graph_safe = True     # the decode kernels and the gather read lengths and block tables from tensors
+    # in the block-table gather: a layer with a window or soft-capped scores never reaches the kernels
+    features = frozenset({"sliding_window", "softcap"})
     requires = (Requirement(Slot.KV_CACHE, frozenset({"paged"}), "reads K/V through block tables"),)
     reported_stats = (Stat("backends", "the implementation that ran, per kind of step", "text", "first"),
                       Stat("decode_timings", "decode kernels timed in this arm (backend=auto, once per kind of "
@@ -169,8 +178,12 @@ class PagedAttention(Attention):
         ran = ",".join(f"{kind}={impl}" for kind, impl in sorted(backends.items()))
         return f"paged({ran})" if ran else "paged"
 
-    def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs,
+                 layer: LayerAttention | None = None) -> torch.Tensor:
         kind = "decode" if step.is_decode else "prefill"
+        if layer is not None:    # the decode kernels have no window or soft-cap: the gather's mask does it
+            self.backends.setdefault(f"{kind}:{'+'.join(sorted(layer.features))}", "torch")
+            return gathered_attention(q, view, step, layer)
         # K/V the model built from the cached rows itself (MLA's explicit path up-projects its latents
         # into a PaddedKV) have no block tables to walk: the generic gather reads any view
         if not (step.is_decode and self.decode_kernel != "torch" and isinstance(view, PagedKV)):

@@ -1,7 +1,9 @@
 """attention=sdpa: PyTorch's scaled_dot_product_attention, recording the backend it picked.
 
 Causal prefill of sequences with no history uses is_causal (eligible for the fused flash kernels);
-anything else (decode, chunks after a prefix, ragged batches) passes the boolean mask.
+anything else (decode, chunks after a prefix, ragged batches) passes the boolean mask. A layer with a
+sliding window always passes the mask (with the window); one with soft-capped scores (Gemma 2) runs
+an explicit softmax instead (ablate.api.softcapped_attention: SDPA cannot cap the scores).
 """
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ablate.api import Attention, KVView, PluginConfig, Stat, StepInputs, causal_mask, pad_queries, unpad_queries
+from ablate.api import (Attention, KVView, LayerAttention, PluginConfig, Stat, StepInputs, causal_mask, pad_queries,
+                        softcapped_attention, unpad_queries)
 
 
 @dataclass
@@ -43,6 +46,7 @@ class SDPAAttention(Attention):
     name = "sdpa"
     config_class = SDPAConfig
     graph_safe = True     # a captured decode step reads every row's capacity, masked by kv_lens_t
+    features = frozenset({"sliding_window", "softcap"})
     reported_stats = (Stat("backends", "the implementation that ran, per kind of step", "text", "first"),)
 
     def __init__(self, config: SDPAConfig, ctx) -> None:
@@ -54,10 +58,20 @@ class SDPAAttention(Attention):
         picked = ",".join(f"{kind}={b}" for kind, b in sorted(self.backends.items()))
         return f"sdpa({picked})" if picked else "sdpa"
 
-    def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs,
+                 layer: LayerAttention | None = None) -> torch.Tensor:
         k, v = view.padded(step)                                     # (B, S, H_kv, D)
         qp = pad_queries(q, step).transpose(1, 2)                    # (B, H, Lq, D)
         k, v = k.transpose(1, 2), v.transpose(1, 2)                  # (B, H_kv, S, D)
+        if layer is not None:                                        # a window, soft-capped scores: masked
+            mask = causal_mask(step, k.shape[2], layer.window)[:, None]          # (B, 1, Lq, S)
+            if layer.softcap is not None:
+                self.backends.setdefault("softcapped", "explicit")
+                out = softcapped_attention(qp, k, v, mask, layer.softcap)
+            else:
+                self.backends.setdefault("windowed", "masked")
+                out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, enable_gqa=True)
+            return unpad_queries(out.transpose(1, 2), step)          # (T, H, D)
         # a captured step reads every row's capacity (view.padded), masked by its kv_lens_t
         is_causal = not step.graphed and step.memo("sdpa_is_causal", lambda: _plain_causal(step))
         unmasked = is_causal or not step.graphed and step.memo("sdpa_unmasked", lambda: _unmasked(step))

@@ -25,12 +25,14 @@ def with_new_attention(model: LlamaModel, cfg: ModelConfig, new_attention: Calla
     new.embed, new.norm, new.lm_head = model.embed, model.norm, model.lm_head
     for i, (layer, old) in enumerate(zip(new.layers, model.layers, strict=True)):
         layer.attn_norm, layer.mlp_norm, layer.mlp = old.attn_norm, old.mlp_norm, old.mlp
+        layer.attn_post_norm, layer.mlp_post_norm = old.attn_post_norm, old.mlp_post_norm     # Gemma's; else None
         layer.attn = new_attention(i, old.attn).to(device=reference.device, dtype=reference.dtype)
         if reference.device.type == "cpu" and reference.dtype == torch.float32:   # as LlamaModel.finalize
             for module in layer.attn.modules():
                 if isinstance(module, Linear):
                     module.input_major()
     new.rope = model.rope if rope is None else rope.to(device=reference.device)   # tables stay fp32
+    new.rope_local = model.rope_local        # Gemma 3's windowed layers' own RoPE, or None
     if hasattr(model, "checkpoint_notes"):
         new.checkpoint_notes = model.checkpoint_notes
     return new.eval()

@@ -189,3 +189,64 @@ def test_what_cannot_run_is_refused_naming_the_field(changes, message, saved, tm
     _, directory = saved("deepseek-v2")
     with pytest.raises(CheckpointError, match=message):
         load_model(pretrained(edited(directory, tmp_path, **changes)))
+
+
+# ---- chapter 13 on the published layout ---------------------------------------------------------
+
+def test_the_presets_build_the_published_layout():
+    from ablate.model.config import preset
+    from ablate.model.llama import LlamaModel
+    tiny = LlamaModel.random(preset("deepseek-tiny"))
+    attn = tiny.layers[0].attn
+    assert attn.w_uq is not None and attn.q_norm is not None and attn.kv_norm is not None
+    assert tiny.config.kv_bytes_per_token() == 2 * (16 + 8) * 4
+    assert sum(p.numel() for p in tiny.parameters()) == tiny.config.num_params()
+    lite = preset("deepseek-v2-lite-shaped")
+    assert lite.kv_bytes_per_token(4) == 4 * (512 + 64) * 4 and lite.q_lora_rank == 0
+
+
+def test_the_ch13_deepseek_experiment_measures_the_kv_bytes_it_predicts(compose_config, registry, tmp_path):
+    """A whole run on deepseek-tiny: the cache's buffers per token equal the formula for both arms,
+    and the MLA arm holds (d_c + d_R) / (H (d_h + d_R + d_v)) of MHA's."""
+    import pandas as pd
+
+    from ablate.book.chapter_tables import table_name
+    from ablate.book.tables.ch13_kv_bytes import HEADING
+    from ablate.experiment.job import run_job
+
+    raw = compose_config(tmp_path, "+experiment=ch13_mla_deepseek", "model=deepseek-tiny", "wandb.mode=disabled",
+                         "kv_cache.budget_bytes=0", "experiment.repeats=1", "experiment.warmup=0",
+                         "workload.num_requests=2", "workload.prompt_len=8", "workload.output_len=3")
+    folder = run_job(raw, registry)
+    table = pd.read_csv(folder.path / f"{table_name(HEADING)}.csv").set_index("arm")
+    assert (table["measured_vs_predicted"] == 1.0).all()
+    assert table.loc["mla", "kv_bytes_per_token"] == 2 * (16 + 8) * 4
+    assert table.loc["mla", "token_slots_reserved"] == 8 * 11          # max_num_seqs x (8 + 3) tokens
+    assert table.loc["mla", "vs_mha_equivalent"] == pytest.approx((16 + 8) / (4 * (16 + 8 + 12)), abs=1e-4)
+    assert table.loc["mla", "kv_layout"] == "mla: latent 16 + rotary 8"
+
+
+def test_the_ch13_deepseek_budget_is_two_mha_sequences(compose_config, tmp_path):
+    from ablate.model.config import preset
+    raw = compose_config(tmp_path, "+experiment=ch13_mla_deepseek")
+    twin = preset("deepseek-v2-lite-shaped", **raw["experiment"]["arms"]["mha"]["model"])
+    mla = preset("deepseek-v2-lite-shaped")
+    tokens = raw["workload"]["prompt_len"] + raw["workload"]["output_len"]
+    assert twin.kv_bytes_per_token(4) == 4 * 16 * (128 + 64 + 128) * 4      # DeepSeek's K and V, up-projected
+    assert raw["kv_cache"]["budget_bytes"] == 2 * tokens * twin.kv_bytes_per_token(4)
+    assert raw["kv_cache"]["budget_bytes"] // (tokens * mla.kv_bytes_per_token(4)) == 17
+
+
+def test_the_kv_bytes_table_predicts_the_converted_smollm2_arms(compose_config, tmp_path):
+    """Beside DeepSeek's own layout, chapter 13's SmolLM2 arms: MHA (9 K/V heads), as shipped (3),
+    MQA (1) and MLA converted by SVD (latent r + rotary 2 f x 3 heads), 30 layers of 64-dim heads."""
+    import pandas as pd
+
+    from ablate.book.tables.ch13_kv_bytes import HEADING, analytic_tables
+    raw = compose_config(tmp_path, "+experiment=ch13_gqa_mla")
+    measured = {"mha": 138240, "gqa3": 46080, "mqa": 15360, "mla_r128": 26880, "mla_r64": 13440}
+    summary = pd.DataFrame({"arm": list(measured), "kv_bytes_per_token": list(measured.values()), "dtype": "fp32"})
+    table = analytic_tables(raw, summary)[HEADING].set_index("arm")
+    assert (table["measured_vs_predicted"] == 1.0).all(), table
+    assert (table["kv_bytes_mha_equivalent"] == 138240).all()
+    assert table.loc["mla_r64", "kv_layout"] == "mla: latent 64 + rotary 48"

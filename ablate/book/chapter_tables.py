@@ -24,7 +24,8 @@ TableMaker = Callable[[dict[str, Any], "pd.DataFrame | None"], dict[str, pd.Data
 CHAPTER_TABLES: dict[str, list[str]] = {
     "ch08": ["ablate.book.tables.ch08:analytic_tables"],     # recompute arithmetic beside the measured ratios
     "ch12": ["ablate.book.tables.ch12:analytic_tables"],     # score memory; on-chip against off-chip memory
-    "ch13": ["ablate.book.tables.ch13:analytic_tables"],     # KV bytes per token beside perplexity
+    "ch13": ["ablate.book.tables.ch13:analytic_tables",      # KV bytes per token beside perplexity
+             "ablate.book.tables.ch13_kv_bytes:analytic_tables"],   # ... measured, predicted and MHA's
 }
 # for every experiment, whatever its chapter: each returns {} for a run it has nothing to say about
 EVERY_EXPERIMENT: list[str] = ["ablate.analysis.knee:report_tables"]

@@ -12,12 +12,16 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from ablate.api import Attention, PluginConfig
+from ablate.analysis.costs import CostsConfig, cost_tables, model_costs
+from ablate.analysis.devices import server_spec
+from ablate.analysis.servers import ServerCosts
+from ablate.api import Attention, PluginConfig, causal_mask
 from ablate.checkpoints import load_model
 from ablate.engine.arm import IncompatiblePlugins, check_attention_features
 from ablate.measure.quality import sequence_logits
 from ablate.model.config import ModelConfig, preset
 from ablate.testing.hf_models import SMALL, build_hf, save_hf
+from test_model import make_step
 
 pytest.importorskip("transformers")
 
@@ -157,14 +161,22 @@ def test_kv_bytes_of_a_windowed_model_count_each_windowed_layer_up_to_its_window
 
 
 def test_the_cost_tables_memory_figures_count_the_windows():
-    from ablate.analysis.model_costs import model_costs
-
     windowed = model_costs({"preset": "tiny", "sliding_window": 8, "window_layers": [0]}, "fp32")
     full = model_costs({"preset": "tiny"}, "fp32")
     per_layer_token = full.kv_bytes_per_token // 2
     assert windowed.kv_bytes_per_token == full.kv_bytes_per_token
     assert windowed.kv_bytes_at(100) == (8 + 100) * per_layer_token and full.kv_bytes_at(100) == 200 * per_layer_token
     assert windowed.decode_bytes_per_token(100) == windowed.active_weight_bytes + (8 + 100) * per_layer_token
+    # on a server of two devices (one K/V head each): a request at context 100 holds 108 tokens' K/V
+    # of the windowed model, 200 of the other
+    on_two, full_on_two = (ServerCosts(m, server_spec("2xh100-sxm")) for m in (windowed, full))
+    assert on_two.kv_bytes_per_request(100) == (8 + 100) * per_layer_token
+    assert full_on_two.kv_bytes_per_request(100) == 100 * full.kv_bytes_per_token
+    assert on_two.max_requests(100) == on_two.memory_left_per_device // ((8 + 100) * per_layer_token // 2)
+    rows = cost_tables(CostsConfig(models=[{"preset": "tiny", "sliding_window": 8, "window_layers": [0]}],
+                                   context_lens=[100], dtype="fp32"), {"h100-sxm": server_spec("h100-sxm")})
+    assert rows["models"]["kv_bytes_at_100"].item() == (8 + 100) * per_layer_token
+    assert rows["devices"]["kv_bytes_per_request_at_100"].item() == (8 + 100) * per_layer_token
 
 
 def test_a_gemma2_checkpoint_converted_to_fewer_kv_heads_keeps_its_norms_and_windows(pairs, build, make_requests):
@@ -176,3 +188,17 @@ def test_a_gemma2_checkpoint_converted_to_fewer_kv_heads_keeps_its_norms_and_win
     assert converted.layers[0].attn.features == model.layers[0].attn.features
     (seq,) = built.engine.run(make_requests([3 * WINDOW], 4))
     assert len(seq.output_token_ids) == 4
+
+
+def test_the_window_mask_in_a_ragged_step_and_in_a_captured_decode_step():
+    """Query p sees keys p - W + 1 .. p; a padded query row still sees a key (no NaN rows); a decode
+    step captured for replay (built from kv_lens_t only) masks as the same step uncaptured."""
+    step = make_step([3, 1], [12, 5])                      # queries at positions 9..11, and 4
+    mask = causal_mask(step, 12, window=4)                  # (B, Lq, S)
+    assert mask[0, 0].nonzero().flatten().tolist() == [6, 7, 8, 9]
+    assert mask[0, 2].nonzero().flatten().tolist() == [8, 9, 10, 11]
+    assert mask[1, 0].nonzero().flatten().tolist() == [1, 2, 3, 4]
+    assert mask[1].any(dim=-1).all()                        # the padded rows of the one-query sequence
+    decode = make_step([1, 1], [12, 5])
+    graphed = replace(decode, graphed=True, _memo={})
+    assert torch.equal(causal_mask(graphed, 16, window=4), causal_mask(decode, 16, window=4))

@@ -250,3 +250,12 @@ def test_the_kv_bytes_table_predicts_the_converted_smollm2_arms(compose_config, 
     assert (table["measured_vs_predicted"] == 1.0).all(), table
     assert (table["kv_bytes_mha_equivalent"] == 138240).all()
     assert table.loc["mla_r64", "kv_layout"] == "mla: latent 64 + rotary 48"
+
+
+def test_a_llama_checkpoint_loaded_over_an_mla_preset_is_the_llama(tmp_path):
+    """The checkpoint's shape replaces the preset's, MLA fields included."""
+    from ablate.model.config import preset
+    directory = save_hf(build_hf("llama-untied"), tmp_path / "llama", sharded=False)
+    model = load_model(preset("deepseek-tiny", init="pretrained", path=str(directory)))
+    assert model.config.attention_kind == "mha" and not model.config.latent_norms
+    assert model.config.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4

@@ -28,6 +28,9 @@ from typing import Any
 import torch
 
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+# the MLA fields of every other checkpoint: whatever the preset it is loaded over says, it has none
+NO_MLA = dict(attention_kind="mha", kv_latent_dim=0, rope_head_dim=0, v_head_dim=0, q_lora_rank=0, latent_norms=False,
+              rope_yarn_scaling=None)
 _MLA_WIDTHS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 

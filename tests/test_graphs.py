@@ -170,8 +170,8 @@ def test_compiled_decode_on_the_cpu_matches_eager(build, make_requests, registry
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"engine": {"max_num_seqs": 4}}, "engine options (graphs)"),
-    ({"engine": "graphs"}, "engine options (graphs)"),
+    ({"engine": {"max_num_seqs": 4}}, "engine options (graphs, moe_experts)"),
+    ({"engine": "graphs"}, "engine options (graphs, moe_experts)"),
 ])
 def test_arm_engine_options_are_checked(raw, message):
     with pytest.raises(ValueError, match=re.escape(message)):

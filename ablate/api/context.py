@@ -11,6 +11,11 @@ import torch
 
 from ablate.api.kv import KVSpec
 
+# engine.moe_experts: how a mixture-of-experts layer computes its routed experts (ablate/model/moe.py):
+# loop = a pair of products per expert reached (counts read on the host); grouped = one grouped
+# product per projection over the token slots sorted by expert (no host sync)
+MOE_EXPERTS = ("loop", "grouped")
+
 if TYPE_CHECKING:
     from ablate.api.executor import ModelSession
     from ablate.api.kv_cache import KVCache
@@ -25,10 +30,13 @@ class EngineConfig:
     # capture decode steps and replay them: CUDA graphs on a GPU, torch.compile on a CPU
     # (ablate/engine/graphs.py); arms whose plugins are not graph_safe run eagerly, saying why
     graphs: bool = False
+    moe_experts: str = "loop"             # MOE_EXPERTS; a dense model has no experts and ignores it
 
     def __post_init__(self) -> None:
         if not isinstance(self.graphs, bool):
             raise ValueError(f"engine.graphs must be true or false, got {self.graphs!r}")
+        if self.moe_experts not in MOE_EXPERTS:
+            raise ValueError(f"engine.moe_experts must be one of {', '.join(MOE_EXPERTS)}, got {self.moe_experts!r}")
         for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_seq_len", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):

@@ -24,16 +24,26 @@ class NonFiniteLogits(ValueError):
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, attention: Attention, decoding_name: str = "decoding",
-                 graphs: bool = False) -> None:
+                 graphs: bool = False, moe_experts: str = "loop") -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention
         self.device = next(model.parameters()).device
+        # engine.moe_experts (ablate/model/moe.py): how a mixture of experts computes its experts
+        self.moe_experts = moe_experts
+        self.has_experts = model.config.n_experts > 0
+        dtype = next(model.parameters()).dtype
+        if self.has_experts and moe_experts == "grouped" and self.device.type == "cuda" and dtype != torch.bfloat16:
+            raise ValueError(f"engine.moe_experts=grouped runs torch's grouped_mm, which takes bf16 on CUDA, and model "
+                             f"{model.config.name!r} is {model.config.dtype}: set model.dtype=bf16, or "
+                             "engine.moe_experts=loop")
         # engine.graphs (ablate/engine/graphs.py): decode steps replayed from CUDA graphs on a GPU,
         # their dense arithmetic compiled on a CPU
         self.graph_mode = graph_mode(self.device, graphs)
-        self.graphs = (DecodeGraphs(self.device, why_not_capturable(kv_cache, attention),
-                                    compute_dtype=next(model.parameters()).dtype)
+        refused = why_not_capturable(kv_cache, attention)
+        if refused is None and self.has_experts and moe_experts == "loop":
+            refused = "engine.moe_experts=loop reads each expert's token count on the host (grouped does not)"
+        self.graphs = (DecodeGraphs(self.device, refused, compute_dtype=dtype)
                        if self.graph_mode == "cuda-graphs" else None)
         self.step_counts = {True: 0, False: 0}      # compile mode: steps run compiled, and not
         self.decoding_name = decoding_name          # who passes draft tokens, for error messages
@@ -117,7 +127,8 @@ class ModelRunner:
         compile_dense = self.graph_mode == "compile" and step.is_decode
         self.step_counts[compile_dense] += 1
         with one_row_step(step.num_tokens, self.model.lm_head.weight):
-            hidden = self.model(Forward(step, self.kv_cache, self.attention, compile=compile_dense))   # (T, d)
+            hidden = self.model(Forward(step, self.kv_cache, self.attention, compile=compile_dense,
+                                        moe_experts=self.moe_experts))                              # (T, d)
             return self.model.logits(hidden.index_select(0, step.logits_indices))                   # (N, V)
 
     def graph_stats(self) -> dict[str, str | int]:
@@ -131,6 +142,10 @@ class ModelRunner:
         # compile mode: "replays" are the steps that ran compiled
         return {"graphs": mode, "graph_captures": 0, "graph_replays": self.step_counts[True] if compiled else 0,
                 "graph_eager_steps": self.step_counts[False] if compiled else 0, "graph_capture_s": 0.0}
+
+    def experts_stats(self) -> dict[str, str]:
+        """How the experts ran: engine.moe_experts for a mixture of experts, "dense" for a model without."""
+        return {"moe_experts": self.moe_experts if self.has_experts else "dense"}
 
     def _check_finite(self, logits: torch.Tensor) -> None:
         if bool(logits.isfinite().all()):

@@ -18,8 +18,10 @@ from ablate.model.llama import LlamaModel
 
 
 @torch.inference_mode()
-def sequence_logits(model: LlamaModel, token_ids: list[int], attention: Attention | None = None) -> torch.Tensor:
-    """Logits at every position of one sequence, (T, vocab) fp32: row i predicts token i + 1."""
+def sequence_logits(model: LlamaModel, token_ids: list[int], attention: Attention | None = None,
+                    moe_experts: str = "loop") -> torch.Tensor:
+    """Logits at every position of one sequence, (T, vocab) fp32: row i predicts token i + 1; a mixture
+    of experts' experts computed the `moe_experts` way (engine.moe_experts)."""
     engine = EngineConfig(max_num_seqs=1)
     ctx = BuildContext(model, KVSpec.of(model, engine, len(token_ids)), engine)
     cache = NoKVCache(NoKVCacheConfig(), ctx)
@@ -28,7 +30,7 @@ def sequence_logits(model: LlamaModel, token_ids: list[int], attention: Attentio
     seq = Sequence(Request(0, tuple(token_ids), max_new_tokens=1))
     step, _ = runner.inputs(Batch([seq], [len(token_ids)]))
     step = cache.begin_step(step)
-    hidden = model(Forward(step, cache, attention))      # (T, d)
+    hidden = model(Forward(step, cache, attention, moe_experts=moe_experts))      # (T, d)
     return model.logits(hidden)                          # (T, V)
 
 

@@ -5,6 +5,8 @@ Per step, for sequences b with q_b new queries and c_b keys after the step:
   bytes = weight bytes (every projection and the LM head, read once) + KV read + KV written
 with T = sum_b q_b, N_lin the projection parameters, KV read = sum_b (c_b - q_b) x bytes per token
 for a cache that keeps K/V (none without one), KV written = T x bytes per token.
+A mixture of experts: N_lin counts the k experts each token runs (of E per MoE layer), and a step
+reads the experts its tokens reach, at most min(E, k T) per MoE layer (every expert from T >= E / k).
 A step takes at least max(FLOPs / peak FLOP/s, bytes / peak bandwidth) (the roofline).
 """
 from __future__ import annotations
@@ -26,9 +28,13 @@ class CostModel:
         the model's K/V in its dtype."""
         self.cfg = cfg
         self.keeps_kv = keeps_kv
-        self.linear_params = cfg.num_params(include_embeddings=False) - cfg.n_layers * 2 * cfg.d_model - cfg.d_model
+        # what each token multiplies by: of a mixture of experts' routed experts, the k it reaches
+        self.linear_params = (cfg.num_params(include_embeddings=False, active=True)
+                              - cfg.n_layers * 2 * cfg.d_model - cfg.d_model)
         self.head_params = cfg.vocab_size * cfg.d_model
-        self.weight_bytes = (self.linear_params + self.head_params) * cfg.torch_dtype.itemsize
+        self.weight_bytes = (self.linear_params + self.head_params) * cfg.torch_dtype.itemsize   # one token's
+        # one routed expert's bytes summed over the MoE layers (0 for a dense model)
+        self.expert_bytes = cfg.num_moe_layers * (cfg.moe_params(1) - cfg.moe_params(0)) * cfg.torch_dtype.itemsize
         self.kv_token_bytes = kv_token_bytes if kv_token_bytes is not None else cfg.kv_bytes_per_token()
 
     def step(self, query_lens: list[int], context_lens: list[int], num_logits: int) -> StepCost:
@@ -40,4 +46,7 @@ class CostModel:
                  + 2 * self.head_params * num_logits)
         kv_read = sum(c - q for q, c in zip(query_lens, context_lens)) * self.kv_token_bytes if self.keeps_kv else 0
         kv_written = tokens * self.kv_token_bytes if self.keeps_kv else 0
-        return StepCost(float(flops), float(self.weight_bytes + kv_read + kv_written))
+        k = cfg.n_experts_per_token
+        more_experts = min(cfg.n_experts, k * tokens) - k if cfg.n_experts else 0   # reached beyond one token's k
+        weights = self.weight_bytes + more_experts * self.expert_bytes
+        return StepCost(float(flops), float(weights + kv_read + kv_written))

@@ -239,3 +239,21 @@ def test_the_experts_strategy_is_a_technique_of_the_ablation_beside_a_variant():
     full = next(p for p in plan(cfg) if p.name == FULL_ARM)
     assert arm_spec(cfg, full.techniques) == {"engine": {"moe_experts": "grouped"},
                                               "variant": {"name": "gqa", "kv_heads": 1}}
+
+
+def test_the_cost_model_reads_the_experts_a_step_reaches():
+    """Mixtral-8x7B's shape: 12.9B of 46.7B parameters per token, as published (with the embeddings);
+    a one-token step reads 2 experts a layer, a step of 4 or more tokens all 8."""
+    from ablate.analysis.analytic import CostModel
+    from ablate.analysis.model_costs import model_costs
+    from ablate.model.config import preset
+
+    cfg = preset("mixtral-8x7b", dtype="bf16")
+    assert round(cfg.num_params() / 1e9, 1) == 46.7 and round(cfg.num_params(active=True) / 1e9, 1) == 12.9
+    costs = model_costs({"preset": "mixtral-8x7b"}, "bf16")
+    assert costs.params_active == cfg.num_params(active=True) - 32000 * 4096       # one row of the table read
+    expert_bytes = 32 * 3 * 4096 * 14336 * 2                                       # one expert, every layer
+    model = CostModel(cfg, keeps_kv=True)
+    one, two, four, eight = (model.step([1] * n, [10] * n, n).bytes - n * 10 * model.kv_token_bytes
+                             for n in (1, 2, 4, 8))
+    assert two - one == 2 * expert_bytes and four - one == 6 * expert_bytes and eight == four

@@ -24,6 +24,9 @@ import torch
 
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 GELU_TANH = "gelu_pytorch_tanh"     # transformers' name of GELU's tanh approximation
+# the fields gemma_fields sets, as every other checkpoint has them (a preset's never stay)
+NO_GEMMA = dict(scale_embeddings=False, post_norms=False, mlp_activation="silu", attn_softcap=0.0, final_softcap=0.0,
+                rope_local_base=0.0, rope_linear_factor=1.0)
 
 
 class GemmaConfigError(ValueError):

@@ -49,6 +49,10 @@ def gguf_model_fields(gf: GGUFFile) -> dict[str, Any]:
     if rotary_dims != head_dim:
         raise GGUFError(f"{gf.path}: partial rotary embeddings ({arch}.rope.dimension_count={rotary_dims}, "
                         f"head_dim={head_dim}) are not supported")
+    experts = int(meta.get(f"{arch}.expert_count", 0))
+    if experts:
+        raise GGUFError(f"{gf.path}: {arch}.expert_count={experts}: mixture-of-experts GGUF files (Mixtral's) are "
+                        "not supported; load the model's Hugging Face checkpoint directory instead")
     if "rope_freqs.weight" in gf.tensors or meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", ""):
         raise GGUFError(f"{gf.path}: RoPE frequency scaling in a GGUF (tensor 'rope_freqs.weight' or "
                         f"{arch}.rope.scaling.type) is not supported; load the Hugging Face checkpoint instead")

@@ -202,3 +202,22 @@ def test_the_window_mask_in_a_ragged_step_and_in_a_captured_decode_step():
     decode = make_step([1, 1], [12, 5])
     graphed = replace(decode, graphed=True, _memo={})
     assert torch.equal(causal_mask(graphed, 16, window=4), causal_mask(decode, 16, window=4))
+
+
+def test_a_job_is_refused_before_its_model_loads_when_an_arm_lacks_a_feature(pairs, compose_config, registry,
+                                                                             tmp_path, monkeypatch):
+    """make_plan reads the checkpoint's config.json (no weights) and refuses the flash arm."""
+    from ablate.checkpoints import loader
+    from ablate.experiment.config import to_run_config
+    from ablate.experiment.plan import make_plan
+
+    model, _ = pairs("mistral-window")
+    path = model.checkpoint_notes["path"]
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    cfg = to_run_config(compose_config(tmp_path, f"model.path={path}", "kv_cache=contiguous", "attention=flash"),
+                        registry)
+    with pytest.raises(IncompatiblePlugins, match=r"attention=flash does not support sliding_window \(layers 0, 1\)"):
+        make_plan(cfg, registry)
+    cfg = to_run_config(compose_config(tmp_path, f"model.path={path}", "kv_cache=contiguous", "attention=sdpa"),
+                        registry)
+    assert len(make_plan(cfg, registry).arms) == 2

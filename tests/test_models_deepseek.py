@@ -205,6 +205,7 @@ def test_the_presets_build_the_published_layout():
     assert lite.kv_bytes_per_token(4) == 4 * (512 + 64) * 4 and lite.q_lora_rank == 0
 
 
+@pytest.mark.slow
 def test_the_ch13_deepseek_experiment_measures_the_kv_bytes_it_predicts(compose_config, registry, tmp_path):
     """A whole run on deepseek-tiny: the cache's buffers per token equal the formula for both arms,
     and the MLA arm holds (d_c + d_R) / (H (d_h + d_R + d_v)) of MHA's."""
@@ -259,3 +260,18 @@ def test_a_llama_checkpoint_loaded_over_an_mla_preset_is_the_llama(tmp_path):
     model = load_model(preset("deepseek-tiny", init="pretrained", path=str(directory)))
     assert model.config.attention_kind == "mha" and not model.config.latent_norms
     assert model.config.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4
+
+
+@pytest.mark.parametrize(("variant", "why"), [("variant=gqa", "variant=gqa converts per-head K/V projections"),
+                                              ("variant=mla", "variant=mla converts Llama-family K/V projections")])
+def test_a_kv_conversion_of_a_deepseek_checkpoint_is_refused_before_it_loads(variant, why, saved, compose_config,
+                                                                             registry, tmp_path, monkeypatch):
+    from ablate.checkpoints import loader
+    from ablate.experiment.job import run_job
+    _, directory = saved("deepseek-v2")
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(loader.LlamaModel, "from_hf_state_dict", lambda *a, **k: pytest.fail("weights were read"))
+    raw = compose_config(tmp_path, f"model.path={directory}", variant, "wandb.mode=disabled")
+    with pytest.raises(ValueError, match=rf"arm '.*': {why}.*attention_kind=mla.*variant=none"):
+        run_job(raw, registry)
+    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").rglob("done.json"))

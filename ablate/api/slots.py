@@ -196,6 +196,13 @@ class ModelVariant(Plugin):
 
     slot = Slot.MODEL
 
+    @classmethod
+    def refusal(cls, config, model) -> str | None:
+        """Why this variant, with its `config`, cannot convert a model of this shape (a ModelConfig:
+        the preset's, or the checkpoint's config read without its weights), or None. Asked when the
+        job is planned, before any model loads; apply() may still refuse what only weights show."""
+        return None
+
     @abstractmethod
     def apply(self, model):
         """Return the model this arm runs: `model` itself, or a new model sharing its unchanged

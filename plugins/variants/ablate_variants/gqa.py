@@ -75,20 +75,28 @@ def pooled_attention(old: SelfAttention, cfg: ModelConfig, layer: int) -> SelfAt
     return new
 
 
+def kv_heads_refusal(cfg: ModelConfig, kv_heads: int) -> str | None:
+    """Why a model of this shape cannot be given `kv_heads` K/V heads, or None."""
+    if cfg.attention_kind != "mha":
+        return (f"variant=gqa converts per-head K/V projections (model.attention_kind=mha); model "
+                f"{cfg.name!r} uses attention_kind={cfg.attention_kind}, whose K/V heads it cannot pool: "
+                "run it with variant=none")
+    if cfg.qk_norm:
+        return (f"variant=gqa pools K projections, and model {cfg.name!r} normalises each K head after "
+                "its projection (qk_norm, Qwen3): pooled projections would meet a norm fitted to "
+                "unpooled ones; run it with variant=none")
+    if cfg.n_kv_heads % kv_heads and (kv_heads % cfg.n_kv_heads or cfg.n_heads % kv_heads):
+        return (f"variant.kv_heads={kv_heads} must divide model {cfg.name!r}'s {cfg.n_kv_heads} K/V heads, "
+                f"or be a multiple of them that divides its {cfg.n_heads} query heads")
+    return None
+
+
 def to_kv_heads(model: LlamaModel, kv_heads: int) -> LlamaModel:
     """The model with `kv_heads` K/V heads; the model itself (not a copy) when it already has them."""
     cfg = model.config
-    if cfg.attention_kind != "mha":
-        raise ValueError(f"variant=gqa converts per-head K/V projections (model.attention_kind=mha); model "
-                         f"{cfg.name!r} uses attention_kind={cfg.attention_kind}, whose K/V heads it cannot pool: "
-                         "run it with variant=none")
-    if cfg.qk_norm:
-        raise ValueError(f"variant=gqa pools K projections, and model {cfg.name!r} normalises each K head after "
-                         "its projection (qk_norm, Qwen3): pooled projections would meet a norm fitted to "
-                         "unpooled ones; run it with variant=none")
-    if cfg.n_kv_heads % kv_heads and (kv_heads % cfg.n_kv_heads or cfg.n_heads % kv_heads):
-        raise ValueError(f"variant.kv_heads={kv_heads} must divide model {cfg.name!r}'s {cfg.n_kv_heads} K/V heads, "
-                         f"or be a multiple of them that divides its {cfg.n_heads} query heads")
+    why = kv_heads_refusal(cfg, kv_heads)
+    if why:
+        raise ValueError(why)
     if kv_heads == cfg.n_kv_heads:
         return model
     new_cfg = replace(cfg, n_kv_heads=kv_heads)
@@ -108,6 +116,10 @@ class GroupedKVHeads(ModelVariant):
     def __init__(self, config: GQAConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
         self._heads = (0, 0)
+
+    @classmethod
+    def refusal(cls, config: GQAConfig, model: ModelConfig) -> str | None:
+        return kv_heads_refusal(model, config.kv_heads)
 
     def apply(self, model: LlamaModel) -> LlamaModel:
         converted = to_kv_heads(model, self.config.kv_heads)

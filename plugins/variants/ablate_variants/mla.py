@@ -180,17 +180,29 @@ def convert_layer(old: SelfAttention, src: ModelConfig, dst: ModelConfig, shape:
     return new, error
 
 
+def latent_refusal(src: ModelConfig, rank: int, rope_frequencies: int) -> str | None:
+    """Why a model of this shape cannot be converted at this rank and rotary width, or None."""
+    if src.attention_kind != "mha" or src.qkv_bias or src.qk_norm:
+        right = ("run it with variant=none" if src.attention_kind == "mla"
+                 else "use a model without Q/K/V biases or per-head q/k norms")
+        return (f"variant=mla converts Llama-family K/V projections without biases or norms (model."
+                f"attention_kind=mha, qkv_bias=False, qk_norm=False); model {src.name!r} has attention_kind="
+                f"{src.attention_kind}, qkv_bias={src.qkv_bias}, qk_norm={src.qk_norm}: {right}")
+    try:
+        MLAShape.of(src, rank, rope_frequencies)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def to_mla(model: LlamaModel, rank: int = 0, rope_frequencies: int = 0,
            input_moments: list[torch.Tensor] | None = None) -> tuple[LlamaModel, list[float]]:
     """The model with MLA layers converted from its K/V projections; and each layer's relative error.
     `input_moments` (per layer, sum of x x^T of its attention's inputs) makes the SVD activation-aware."""
     src = model.config
-    if src.attention_kind != "mha" or src.qkv_bias or src.qk_norm:
-        right = ("run it with variant=none" if src.attention_kind == "mla"
-                 else "use a model without Q/K/V biases or per-head q/k norms")
-        raise ValueError(f"variant=mla converts Llama-family K/V projections without biases or norms (model."
-                         f"attention_kind=mha, qkv_bias=False, qk_norm=False); model {src.name!r} has attention_kind="
-                         f"{src.attention_kind}, qkv_bias={src.qkv_bias}, qk_norm={src.qk_norm}: {right}")
+    why = latent_refusal(src, rank, rope_frequencies)
+    if why:
+        raise ValueError(why)
     shape = MLAShape.of(src, rank, rope_frequencies)
     dst = replace(src, attention_kind="mla", n_kv_heads=src.n_heads, kv_latent_dim=shape.rank,
                   rope_head_dim=shape.rope_dim)
@@ -224,6 +236,10 @@ class LatentKV(ModelVariant):
     def __init__(self, config: MLAConfig, ctx: BuildContext) -> None:
         super().__init__(config, ctx)
         self._stats = {"kv_latent_dim": 0, "rope_head_dim": 0, "svd_relative_error": float("nan")}
+
+    @classmethod
+    def refusal(cls, config: MLAConfig, model: ModelConfig) -> str | None:
+        return latent_refusal(model, config.rank, config.rope_frequencies)
 
     def apply(self, model: LlamaModel) -> LlamaModel:
         moments = None

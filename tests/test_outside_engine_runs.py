@@ -146,22 +146,31 @@ def test_the_f32_rewrite_holds_the_shipped_files_values(source_gguf, f32_gguf):
 
 @pytest.mark.slow
 @needs_llamacpp
-def test_the_f16_rewrite_keeps_names_and_metadata_and_norms_in_f32(gguf_cache, source_gguf):
+@pytest.mark.parametrize("half", ["f16", "bf16"])
+def test_a_half_precision_rewrite_keeps_names_and_metadata_and_norms_in_f32(gguf_cache, source_gguf, half):
+    """F16 within its rounding; BF16 bit for bit what torch's cast to bfloat16 gives (what ablate's
+    model.dtype=bf16 holds), so the two engines stream the same numbers."""
     import gguf
+    import torch
 
     from ablate.outside.gguf_rewrite import rewritten_gguf
 
-    path = rewritten_gguf(source_gguf, "f16")
-    assert path.is_relative_to(gguf_cache) and path.name.endswith("-f16.gguf")
+    path = rewritten_gguf(source_gguf, half)
+    assert path.is_relative_to(gguf_cache) and path.name.endswith(f"-{half}.gguf")
+    quant = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}[half]
+    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}[half]
     try:
         source, rewrite = gguf.GGUFReader(source_gguf), gguf.GGUFReader(path)
-        same_metadata_but_file_type(source, rewrite, gguf.LlamaFileType.MOSTLY_F16)
+        same_metadata_but_file_type(source, rewrite, file_type)
         for ours, theirs in zip(rewrite.tensors, source.tensors):
             values = gguf.quants.dequantize(theirs.data, theirs.tensor_type)
-            wanted = gguf.GGMLQuantizationType.F16 if values.ndim > 1 else gguf.GGMLQuantizationType.F32
-            assert ours.tensor_type == wanted, ours.name
-            np.testing.assert_allclose(gguf.quants.dequantize(ours.data, ours.tensor_type), values,
-                                       rtol=1e-3, atol=1e-7, err_msg=ours.name)
+            assert ours.tensor_type == (quant if values.ndim > 1 else gguf.GGMLQuantizationType.F32), ours.name
+            got = gguf.quants.dequantize(ours.data, ours.tensor_type)
+            if half == "bf16" and values.ndim > 1:
+                cast = torch.from_numpy(values.astype(np.float32)).bfloat16().float().numpy()
+                assert np.array_equal(got, cast), ours.name
+            else:
+                np.testing.assert_allclose(got, values, rtol=1e-3, atol=1e-7, err_msg=ours.name)
     finally:
         path.unlink()
 

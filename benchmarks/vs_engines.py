@@ -1,6 +1,6 @@
 """ablate's engine against the engines users deploy, on the same weights, prompts and lengths.
 
-    .venv/bin/python benchmarks/vs_engines.py [--batch 1 8] [--repeats 5] [--out DIR] [--extra 'threads=2']
+    .venv/bin/python benchmarks/vs_engines.py [--batch 1 8] [--repeats 5] [--dtype fp32|bf16] [--out DIR] [--extra 'threads=2']
 
 Runs `python -m ablate +experiment=engines` once per batch size (engine.max_num_seqs = the batch,
 workload.num_requests = the batch x 2: two batches a round), each as its own process: ablate's arms,
@@ -8,6 +8,11 @@ transformers' generate (dynamic cache, static cache, prompt lookup) and llama.cp
 the GGUF, and the shipped Q4_1, a different byte budget) interleaved round by round. Then one table:
 
     engine | precision | batching | batch | tok/s | TPOT p50 | ratio to ablate [95% CI] | agreement | status
+
+--dtype bf16 runs the same in bf16, on a CPU with AMX or AVX512-BF16 (elsewhere ablate refuses it): ablate
+and transformers in bf16, llama.cpp on the weights rewritten in BF16 (the same numbers as torch's cast)
+and vLLM in bf16, without the speculative arms; beside the table, the quality bf16 cost: the
+perplexity of SmolLM2 in bf16 over fp32 on held-out text (ablate.workload.text).
 
 ratio = ablate's time / the arm's per round (above 1: the arm is faster), geometric mean and t-interval
 over the rounds. Beside it the machine's read bandwidth, measured here with a 1 GiB buffer, and
@@ -33,16 +38,39 @@ REPO = Path(__file__).resolve().parent.parent
 BATCH_1_ONLY = ("ablate_ngram_k4", "hf_prompt_lookup")
 
 
-def run_batch(batch: int, repeats: int, results: Path, extra: list[str]) -> Path:
+# in bf16: llama.cpp on a BF16 rewrite of the same weights in place of its F32 and Q4_1 files
+BF16_ARMS = ["~experiment.arms.llamacpp_f32", "~experiment.arms.llamacpp_q4_1",
+             "+experiment.arms.llamacpp_bf16={engine: {name: llamacpp, weights: bf16}}"]
+
+
+def run_batch(batch: int, repeats: int, results: Path, extra: list[str], dtype: str = "fp32") -> Path:
+    name = f"engines_b{batch}" + ("_bf16" if dtype == "bf16" else "")
     command = [sys.executable, "-m", "ablate", "+experiment=engines", f"engine.max_num_seqs={batch}",
                f"workload.num_requests={2 * batch}", f"experiment.repeats={repeats}", f"results_dir={results}",
-               f"experiment.name=engines_b{batch}", "redo=true", f"hydra.run.dir={results}/hydra/b{batch}", *extra]
-    if batch > 1:
+               f"experiment.name={name}", "redo=true", f"hydra.run.dir={results}/hydra/{name}", *extra]
+    if batch > 1 or dtype == "bf16":
         command += [f"~experiment.arms.{arm}" for arm in BATCH_1_ONLY]
+    if dtype == "bf16":
+        command += ["model.dtype=bf16", *BF16_ARMS]
     print("$", shlex.join(command), flush=True)
     subprocess.run(command, cwd=REPO, check=True)
-    (run,) = sorted((results / f"engines_b{batch}").glob("*/summary.csv"))
+    (run,) = sorted((results / name).glob("*/summary.csv"))
     return run.parent
+
+
+def bf16_perplexity_ratio(num_tokens: int = 2048) -> float:
+    """SmolLM2's perplexity in bf16 over fp32 on `num_tokens` held-out tokens: what bf16 costs in quality."""
+    from ablate.checkpoints import load_model
+    from ablate.checkpoints.loader import load_tokenizer
+    from ablate.measure.quality import perplexity
+    from ablate.model.config import preset
+    from ablate.workload.text import heldout_tokens
+
+    fp32 = load_model(preset("smollm2-135m", dtype="fp32"))
+    tokens = heldout_tokens(load_tokenizer(fp32.config), num_tokens)
+    ppl32 = perplexity(fp32, tokens)
+    del fp32
+    return perplexity(load_model(preset("smollm2-135m", dtype="bf16")), tokens) / ppl32
 
 
 def _first(*values):
@@ -80,12 +108,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="where the runs and the table go (default: a temp dir)")
     parser.add_argument("--extra", default="", help="more Hydra overrides for every run, e.g. 'threads=2'")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="vs_engines-"))
     bandwidth = measure_read_bandwidth() / 1e9
     frames = []
     for batch in args.batch:
-        run = run_batch(batch, args.repeats, out, shlex.split(args.extra))
+        run = run_batch(batch, args.repeats, out, shlex.split(args.extra), args.dtype)
         frame = table(run, batch)
         weights = pd.read_csv(run / "runs.csv").query("arm == 'ablate'")["weight_bytes"].iloc[0]
         tpot = frame.query("arm == 'ablate'")["TPOT p50 ms"].iloc[0]
@@ -95,6 +124,10 @@ def main() -> None:
         frames.append(frame)
     result = pd.concat(frames, ignore_index=True)
     print(result.to_markdown(index=False, floatfmt=".3g"))
+    if args.dtype == "bf16":
+        ratio = bf16_perplexity_ratio()
+        print(f"quality: SmolLM2's perplexity in bf16 is {ratio:.4f}x its fp32 one on 2048 held-out tokens")
+        result = result.assign(bf16_ppl_ratio=ratio)
     result.assign(read_bandwidth_gb_s=bandwidth).to_csv(out / "vs_engines.csv", index=False)
     print(f"tables and runs: {out}")
 

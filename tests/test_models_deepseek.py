@@ -2,7 +2,7 @@
 
 Small random models built by transformers (ablate.testing.hf_models: every layer dense), saved and
 loaded through ablate.checkpoints: logits, greedy text through the engine's caches with the absorbed
-and the explicit decode, the KV bytes a token takes, and what is refused.
+and the explicit decode, DeepSeek's routed experts, the KV bytes a token takes, and what is refused.
 """
 from __future__ import annotations
 
@@ -178,8 +178,11 @@ def edited(directory: Path, tmp_path: Path, **changes) -> Path:
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"first_k_dense_replace": 1, "n_routed_experts": 4},
-     r"layers 1\.\.1 are mixture-of-experts \(first_k_dense_replace=1 < num_hidden_layers=2; n_routed_experts=4"),
+    ({"first_k_dense_replace": 1, "moe_layer_freq": 2}, r"moe_layer_freq=2 is not supported"),
+    ({"first_k_dense_replace": 1, "num_experts_per_tok": 2, "topk_method": "noaux_tc"},
+     r"topk_method 'noaux_tc' is not supported for deepseek_v2 \(greedy or group_limited_greedy\)"),
+    ({"first_k_dense_replace": 1, "num_experts_per_tok": 2, "norm_topk_prob": True},
+     r"norm_topk_prob=True is not supported for deepseek_v2"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
      r"RoPE scaling 'dynamic' is not supported for deepseek_v2 \(only 'yarn', or none\)"),
     ({"qk_rope_head_dim": 7}, r"qk_rope_head_dim must be even"),
@@ -275,3 +278,48 @@ def test_a_kv_conversion_of_a_deepseek_checkpoint_is_refused_before_it_loads(var
     with pytest.raises(ValueError, match=rf"arm '.*': {why}.*attention_kind=mla.*variant=none"):
         run_job(raw, registry)
     assert not (tmp_path / "results").exists() or not any((tmp_path / "results").rglob("done.json"))
+
+
+# ---- DeepSeek's mixture of experts ----------------------------------------------------------------
+
+def with_random_score_bias(hf):
+    """V3's e_score_correction_bias is a buffer (zeros as built): random, so that a misread one shows."""
+    g = torch.Generator().manual_seed(3)
+    for layer in hf.model.layers:
+        bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+        if bias is not None:
+            bias.copy_(0.3 * torch.randn(bias.shape, generator=g))
+    return hf
+
+
+@pytest.mark.parametrize(("kind", "shape"), [("deepseek-v2-moe", {}), ("deepseek-v2-moe", {"topk_method": "greedy"}),
+                                             ("deepseek-v3-moe", {})])
+def test_deepseek_experts_match_transformers(kind, shape, tmp_path, build, make_requests):
+    from ablate.model.deepseek_moe import DeepSeekExperts
+    hf = with_random_score_bias(build_hf(kind, **shape))
+    model = load_model(pretrained(save_hf(hf, tmp_path / kind)))
+    assert isinstance(model.layers[1].mlp, DeepSeekExperts) and not isinstance(model.layers[0].mlp, DeepSeekExperts)
+    assert model.config.moe_groups == (0 if shape else hf.config.n_group)
+    ids = prompt()
+    diff = (sequence_logits(model, ids) - hf_logits(hf, ids)).abs().max().item()
+    assert diff < TOL, f"{kind} {shape}: max |logit diff| {diff:.2e}"
+    assert engine_greedy(build, make_requests, model, ids, "contiguous") == hf_greedy(hf, ids)
+
+
+def test_deepseek_routing_keeps_to_the_best_groups_and_v3s_bias_only_chooses():
+    from ablate.model.deepseek_moe import deepseek_top_k
+    logits = torch.tensor([[4.0, 0.0, 3.9, 3.8, 0.1, 0.2, 0.3, 0.4]])       # groups of 2: (4, 0) (3.9, 3.8) ...
+    _, ids = deepseek_top_k(logits, 2, sigmoid=False, score_bias=None, groups=4, topk_groups=1, normalise=False,
+                            scale=1.0)
+    assert sorted(ids[0].tolist()) == [0, 1]                 # V2: the group with the best expert, both of its
+    _, ids = deepseek_top_k(logits, 2, sigmoid=False, score_bias=None, groups=0, topk_groups=0, normalise=False,
+                            scale=1.0)
+    assert sorted(ids[0].tolist()) == [0, 2]                 # greedy: the best two anywhere
+    _, ids = deepseek_top_k(logits, 2, sigmoid=True, score_bias=None, groups=4, topk_groups=1, normalise=False,
+                            scale=1.0)
+    assert sorted(ids[0].tolist()) == [2, 3]                 # V3: the group whose best two sum highest
+    bias = torch.tensor([0.0, 0.0, -5.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    weights, ids = deepseek_top_k(logits, 2, sigmoid=True, score_bias=bias, groups=0, topk_groups=0,
+                                  normalise=False, scale=2.0)
+    assert 2 not in ids[0].tolist()                          # the bias moves the choice...
+    assert torch.allclose(weights[0], 2.0 * logits[0, ids[0]].sigmoid())   # ... not the weights

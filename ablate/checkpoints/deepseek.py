@@ -14,8 +14,10 @@ i + d_R / 2), so the rotary rows of q_proj / q_b_proj and kv_a_proj_with_mqa are
 are read, evens first then odds, as llama.cpp's converter does: q^R . k^R is the same sum over pairs
 in either order, and the cached k^R is in the permuted order throughout.
 
-Refused, by name: the mixture-of-experts layers (first_k_dense_replace < num_hidden_layers), other
-RoPE scalings, and YaRN without a truncated correction range (hf.py refuses attention_bias).
+The layers from first_k_dense_replace on are mixtures of experts with DeepSeek's routing
+(ablate/model/deepseek_moe.py). Refused, by name: other RoPE scalings, YaRN without a truncated
+correction range, moe_layer_freq other than 1, V2's norm_topk_prob (transformers ignores it) and
+topk methods other than greedy and group_limited_greedy (hf.py refuses attention_bias).
 """
 from __future__ import annotations
 
@@ -51,15 +53,8 @@ def deepseek_fields(config: dict[str, Any], directory: str | os.PathLike) -> dic
         raise _error(f"{path}: q_lora_rank must be null (a full q_proj) or a whole number > 0, got {q_rank!r}")
     if config["qk_rope_head_dim"] % 2:
         raise _error(f"{path}: qk_rope_head_dim must be even (RoPE rotates pairs), got {config['qk_rope_head_dim']}")
-    layers, dense = int(config["num_hidden_layers"]), config.get("first_k_dense_replace", 0)
-    if dense is None or dense < layers:
-        raise _error(f"{path}: layers {dense or 0}..{layers - 1} are mixture-of-experts (first_k_dense_replace="
-                     f"{dense} < num_hidden_layers={layers}; n_routed_experts={config.get('n_routed_experts')}, "
-                     f"n_shared_experts={config.get('n_shared_experts')}, topk_method={config.get('topk_method')!r}): "
-                     "DeepSeek's MoE layers are not supported yet; a checkpoint whose every layer is dense "
-                     "(first_k_dense_replace >= num_hidden_layers) loads")
     theta, yarn = _rope(config, path)
-    return dict(
+    return _experts(config, path) | dict(
         attention_kind="mla",
         n_kv_heads=int(config["num_attention_heads"]),      # every query head has its own K and V from c
         head_dim=int(config["qk_nope_head_dim"]),
@@ -71,6 +66,47 @@ def deepseek_fields(config: dict[str, Any], directory: str | os.PathLike) -> dic
         rope_base=theta,
         rope_yarn_scaling=yarn,
     )
+
+
+def _whole(config: dict[str, Any], path: Path, key: str, low: int = 1) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _error(f"{path}: {key} must be a whole number >= {low}, got {value!r}")
+    return value
+
+
+def _experts(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The mixture of experts of layers first_k_dense_replace.. (ablate/model/deepseek_moe.py), as
+    transformers 5 builds it: V2 softmax scores, top-k greedy or within groups (topk_method); V3
+    sigmoid scores with e_score_correction_bias, within groups, norm_topk_prob; both scaled by
+    routed_scaling_factor, with n_shared_experts x moe_intermediate_size of shared SwiGLU."""
+    layers, model_type = int(config["num_hidden_layers"]), config["model_type"]
+    dense = _whole(config, path, "first_k_dense_replace", low=0) if "first_k_dense_replace" in config else 0
+    if dense >= layers:
+        return {}
+    if config.get("moe_layer_freq", 1) not in (1, None):
+        raise _error(f"{path}: moe_layer_freq={config['moe_layer_freq']} is not supported (1: every layer from "
+                     "first_k_dense_replace on is a mixture of experts, as transformers builds it)")
+    experts, top_k = _whole(config, path, "n_routed_experts"), _whole(config, path, "num_experts_per_tok")
+    groups = topk_groups = 0
+    v3 = model_type == "deepseek_v3"
+    method = config.get("topk_method") or "greedy"
+    if v3 or method == "group_limited_greedy":
+        groups, topk_groups = _whole(config, path, "n_group"), _whole(config, path, "topk_group")
+    elif method != "greedy":
+        raise _error(f"{path}: topk_method {method!r} is not supported for deepseek_v2 (greedy or group_limited_greedy)")
+    normalise = config.get("norm_topk_prob", False)
+    if not isinstance(normalise, bool) or (normalise and not v3):
+        raise _error(f"{path}: norm_topk_prob={normalise!r} is not supported for {model_type} (transformers' "
+                     "DeepSeek-V2 never renormalises; V3 reads true or false)")
+    scale = config.get("routed_scaling_factor", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise _error(f"{path}: routed_scaling_factor must be a number > 0, got {scale!r}")
+    width = _whole(config, path, "moe_intermediate_size")
+    shared = _whole(config, path, "n_shared_experts", low=0) if config.get("n_shared_experts") is not None else 0
+    return dict(n_experts=experts, n_experts_per_token=top_k, expert_d_ff=width, shared_expert_d_ff=shared * width,
+                norm_topk_prob=normalise, dense_layers=list(range(dense)) or None,
+                moe_router=model_type, moe_groups=groups, moe_topk_groups=topk_groups, routed_scaling=float(scale))
 
 
 def rope_is_interleaved(config: dict[str, Any]) -> bool:

@@ -323,3 +323,10 @@ def test_deepseek_routing_keeps_to_the_best_groups_and_v3s_bias_only_chooses():
                                   normalise=False, scale=2.0)
     assert 2 not in ids[0].tolist()                          # the bias moves the choice...
     assert torch.allclose(weights[0], 2.0 * logits[0, ids[0]].sigmoid())   # ... not the weights
+
+
+def test_a_deepseek_moe_model_counts_its_parameters(tmp_path):
+    hf = build_hf("deepseek-v3-moe")
+    model = load_model(pretrained(save_hf(hf, tmp_path / "v3", sharded=False)))
+    assert sum(p.numel() for p in model.parameters()) == model.config.num_params()
+    assert model.config.num_params() == sum(p.numel() for p in hf.parameters()) + model.config.num_moe_layers * 8

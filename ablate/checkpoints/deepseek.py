@@ -151,7 +151,7 @@ def _rope(config: dict[str, Any], path: Path) -> tuple[float, dict[str, float] |
 
 def half_split_order(width: int) -> torch.Tensor:
     """Row order that turns interleaved pairs (2i, 2i + 1) into halves (i, i + width / 2): evens, then odds."""
-    return torch.cat((torch.arange(0, width, 2), torch.arange(1, width, 2)))
+    return torch.cat((torch.arange(0, width, 2, device="cpu"), torch.arange(1, width, 2, device="cpu")))   # as read
 
 
 class HalfSplitRope(Mapping[str, torch.Tensor]):

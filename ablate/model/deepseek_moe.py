@@ -54,7 +54,7 @@ class DeepSeekExperts(MixtureOfExperts):
         self.sigmoid = cfg.moe_router == "deepseek_v3"
         self.groups, self.topk_groups, self.scale = cfg.moe_groups, cfg.moe_topk_groups, cfg.routed_scaling
         # V3's e_score_correction_bias: added to the scores for the choice of experts only
-        self.score_bias = nn.Parameter(torch.zeros(self.num_experts)) if self.sigmoid else None
+        self.score_bias = nn.Parameter(self.router.weight.new_zeros(self.num_experts)) if self.sigmoid else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, d) -> (weights (T, k) in x's dtype, expert ids (T, k))."""

@@ -243,10 +243,10 @@ def main() -> None:
         del model
         if args.mla_preset:
             mla_cfg = preset(args.mla_preset, dtype=args.dtype, max_seq_len=args.context + args.decode_tokens)
-            twins = {"mla": mla_cfg,
-                     "mha": replace(mla_cfg, attention_kind="mha", kv_latent_dim=0, rope_head_dim=0),
-                     "gqa": replace(mla_cfg, attention_kind="mha", kv_latent_dim=0, rope_head_dim=0,
-                                    n_kv_heads=args.gqa_twin_heads)}
+            per_head = dict(attention_kind="mha", kv_latent_dim=0, rope_head_dim=0, q_lora_rank=0, v_head_dim=0,
+                            latent_norms=False)     # every MLA field off (DeepSeek's presets set them all)
+            twins = {"mla": mla_cfg, "mha": replace(mla_cfg, **per_head),
+                     "gqa": replace(mla_cfg, **per_head, n_kv_heads=args.gqa_twin_heads)}
             for name, cfg in twins.items():
                 rows.append(measure_variant(args.mla_preset, LlamaModel.random(cfg, device), "none", registry,
                                             args, [], name))

@@ -42,7 +42,7 @@ from ablate.engine.registry import default_registry
 from ablate.measure.device import measure_read_bandwidth
 from ablate.measure.recorder import Recorder, StepHook
 from ablate.model import native, numpy_blas
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.forward import Forward
 from ablate.model.linear import Linear
 from ablate.model.product_paths import PRODUCT_PATHS

@@ -68,7 +68,7 @@ def environment(ctx) -> dict:
 def _random_weights_s(model: str, device: torch.device) -> float:
     """Seconds to build the random model every CLI run of this check builds (LlamaModel.random, in the
     model's dtype on the device): what each of those runs pays before its first step."""
-    from ablate.model.config import preset
+    from ablate.model.presets import preset
     from ablate.model.llama import LlamaModel
     started = time.perf_counter()
     model = LlamaModel.random(preset(model), device)
@@ -402,7 +402,7 @@ EAGER_ONLY = "{eager: {kv_cache: contiguous, attention: flash}}"
 
 def decode_mbu(ctx) -> dict:
     """MBU = (weight bytes + KV bytes read) per decode step / TPOT p50 / the measured copy bandwidth."""
-    from ablate.model.config import preset
+    from ablate.model.presets import preset
     cfg = preset("tiny" if ctx.dry else "llama-3.2-1b", dtype="fp32" if ctx.dry else "bf16")
     # a decode step reads every weight once (the LM head, not the embedding table: only B rows of it)
     weight_bytes = (cfg.num_params(include_embeddings=False) + cfg.vocab_size * cfg.d_model) * cfg.torch_dtype.itemsize

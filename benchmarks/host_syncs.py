@@ -22,7 +22,7 @@ from ablate.api.context import EngineConfig
 from ablate.api.sequence import Request, SamplingParams
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.engine.registry import default_registry
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 from ablate.testing.syncs import BUILT_IN_ARMS, MAX_SYNCS_PER_DECODE_STEP, count_syncs, summary
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from ablate.engine.registry import default_registry
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 from ablate.testing import ConformanceError, check_plugin
 from ablate.testing.coverage import Coverage

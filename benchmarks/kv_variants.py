@@ -48,7 +48,7 @@ from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.engine.registry import Registry, default_registry
 from ablate.measure import device as dev
 from ablate.measure.recorder import Recorder
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 from ablate.report.table_run import open_run_folder, store_tables
 from ablate.report.wandb_log import WandbConfig

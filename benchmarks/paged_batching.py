@@ -37,7 +37,7 @@ from ablate.engine.arm import baseline_configs, resolve_arm
 from ablate.engine.registry import default_registry
 from ablate.experiment.run import run_once
 from ablate.measure import device as dev
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.workload.requests import WorkloadConfig, make_requests
 
 BUDGET_SEQS = 8     # the budget holds this many sequences of the maximum length

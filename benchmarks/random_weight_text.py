@@ -24,7 +24,7 @@ from ablate.api.plugin import Slot
 from ablate.api.sequence import Request
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.engine.registry import default_registry
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 
 NGRAM = {"kv_cache": "contiguous", "decoding": {"name": "speculative", "drafter": "ngram", "k": 4}}

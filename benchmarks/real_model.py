@@ -32,7 +32,7 @@ from ablate.checkpoints import gguf as gguf_ckpt  # noqa: E402
 from ablate.checkpoints import load_model, load_tokenizer  # noqa: E402
 from ablate.checkpoints.loader import checkpoint_path, with_checkpoint_fields  # noqa: E402
 from ablate.measure.quality import perplexity  # noqa: E402
-from ablate.model.config import preset  # noqa: E402
+from ablate.model.presets import preset  # noqa: E402
 from ablate.model.llama import LlamaModel  # noqa: E402
 from ablate.workload.text import heldout_tokens  # noqa: E402
 

@@ -30,7 +30,7 @@ from ablate.engine.registry import default_registry
 from ablate.experiment.run import run_once
 from ablate.measure import device as dev
 from ablate.measure.recorder import Recorder
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.workload.requests import WorkloadConfig, make_requests
 
 

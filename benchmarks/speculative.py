@@ -44,7 +44,7 @@ from ablate.engine.arm import Arm, baseline_configs, resolve_arm
 from ablate.engine.registry import Registry, default_registry
 from ablate.experiment.run import run_once
 from ablate.measure import device as dev
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.results import environment
 from ablate_decoding.spec_stats import expected_tokens_per_pass
 

@@ -28,7 +28,7 @@ import torch
 from ablate.checkpoints.loader import load_model
 from ablate.measure import device as dev
 from ablate.measure.verify_cost import KNEE_TOLERANCE, knee, verify_cost
-from ablate.model.config import preset
+from ablate.model.presets import preset
 
 
 def parse_args() -> argparse.Namespace:

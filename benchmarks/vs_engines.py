@@ -63,7 +63,7 @@ def bf16_perplexity_ratio(num_tokens: int = 2048) -> float:
     from ablate.checkpoints import load_model
     from ablate.checkpoints.loader import load_tokenizer
     from ablate.measure.quality import perplexity
-    from ablate.model.config import preset
+    from ablate.model.presets import preset
     from ablate.workload.text import heldout_tokens
 
     fp32 = load_model(preset("smollm2-135m", dtype="fp32"))

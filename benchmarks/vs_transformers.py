@@ -30,7 +30,7 @@ from ablate.engine.arm import baseline_configs, resolve_arm
 from ablate.engine.registry import default_registry
 from ablate.experiment.run import run_once
 from ablate.measure import hardware
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.workload.text import text_prompts
 
 

@@ -22,7 +22,7 @@ from ablate.api.sequence import Request, SamplingParams
 from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
 from ablate.engine.registry import Registry, default_registry
 from ablate.measure.recorder import Recorder
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 
 REPO = Path(__file__).resolve().parent.parent

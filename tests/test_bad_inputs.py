@@ -20,7 +20,8 @@ from ablate.engine.engine import MAX_IDLE_WAIT_S
 from ablate.engine.runner import NonFiniteLogits
 from ablate.experiment.config import to_run_config
 from ablate.experiment.quality_guard import QualityConfig
-from ablate.model.config import ModelConfig, preset
+from ablate.model.config import ModelConfig
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 from ablate.report.compare import RunUnreadable, compare
 from ablate.report.compare import main as compare_main

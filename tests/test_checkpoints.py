@@ -19,7 +19,8 @@ from ablate.checkpoints import load_model
 from ablate.checkpoints import loader as loader_mod
 from ablate.checkpoints.gguf import read_gguf
 from ablate.measure.quality import sequence_logits
-from ablate.model.config import ModelConfig, preset
+from ablate.model.config import ModelConfig
+from ablate.model.presets import preset
 from ablate.testing.hf_models import SMALL, build_hf, save_hf
 
 transformers = pytest.importorskip("transformers")

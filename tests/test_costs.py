@@ -11,7 +11,7 @@ from ablate.analysis.costs import DEVICES, CostsConfig, cost_tables, model_costs
 from ablate.analysis.devices import ServerSpec, parse_server, server_spec
 from ablate.analysis.intensity import BANDWIDTH_BOUND, COMPUTE_BOUND, decode_step, training_step
 from ablate.analysis.servers import ServerCosts
-from ablate.model.config import preset
+from ablate.model.presets import preset
 
 BOOK_70B = {"preset": "llama-2-70b", "n_kv_heads": 64, "weights_of": "llama-2-70b", "label": "llama-2-70b-book"}
 

@@ -25,7 +25,7 @@ CONTEXT = 8192
 @pytest.fixture(scope="module")
 def tokenizer():
     from ablate.checkpoints.loader import load_tokenizer
-    from ablate.model.config import preset
+    from ablate.model.presets import preset
 
     return load_tokenizer(preset("smollm2-135m", init="pretrained"))
 

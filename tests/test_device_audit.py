@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from ablate.api.context import EngineConfig
 from ablate.api.sequence import Request, SamplingParams
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,6 +39,10 @@ NO_DEVICE_OK = {
         "finalize() moves the model to its device",
     ("ablate/model/llama.py", "LlamaModel.__init__"):
         "module parameter (the embedding), as RMSNorm.__init__",
+    ("ablate/model/moe.py", "MixtureOfExperts.__init__"):
+        "module parameters (every expert's weights in two 3-D tensors), as RMSNorm.__init__",
+    ("ablate/testing/hf_models.py", "randomise"):
+        "host-side by design: a transformers model on the CPU, drawn from one seeded CPU generator",
     ("ablate/model/llama.py", "LlamaModel.random"):
         "host-side by design, on the CPU only: each weight is drawn in fp32 from one seeded CPU generator, then "
         "cast into its parameter (the same weights in every dtype); on an accelerator it is drawn in place",

@@ -7,7 +7,7 @@ import torch
 from ablate.api.sampling import probabilities
 from ablate.api.sequence import Request, SamplingParams, Sequence
 from ablate.api.step import Batch
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 
 PROMPT_LENS = [3, 11, 17, 30]

@@ -23,7 +23,8 @@ from ablate.experiment.job import resolved_config, run_identity
 from ablate.measure import device as dev
 from ablate.measure import hardware
 from ablate.measure.memory import TensorMemoryTracker, cuda_peak_since, resident_weight_bytes, start_cuda_peak
-from ablate.model.config import ModelConfig, preset
+from ablate.model.config import ModelConfig
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 from ablate.results import config_hash
 

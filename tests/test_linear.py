@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ablate.model import native
-from ablate.model.config import preset
+from ablate.model.presets import preset
 import ablate.model.linear as linear
 from ablate.model.linear import PACKABLE, Linear
 from ablate.model.llama import LlamaModel

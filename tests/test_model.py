@@ -14,7 +14,8 @@ from ablate.api.step import Batch, StepInputs
 from ablate.baselines.naive_attention import NaiveAttention, NaiveAttentionConfig
 from ablate.baselines.no_cache import NoKVCache, NoKVCacheConfig
 from ablate.experiment.config import build as build_dataclass
-from ablate.model.config import PRESETS, ModelConfig, preset
+from ablate.model.config import ModelConfig
+from ablate.model.presets import PRESETS, preset
 from ablate.model.forward import Forward
 from ablate.model.llama import LlamaModel
 

@@ -197,7 +197,7 @@ def test_what_cannot_run_is_refused_naming_the_field(changes, message, saved, tm
 # ---- chapter 13 on the published layout ---------------------------------------------------------
 
 def test_the_presets_build_the_published_layout():
-    from ablate.model.config import preset
+    from ablate.model.presets import preset
     from ablate.model.llama import LlamaModel
     tiny = LlamaModel.random(preset("deepseek-tiny"))
     attn = tiny.layers[0].attn
@@ -231,7 +231,7 @@ def test_the_ch13_deepseek_experiment_measures_the_kv_bytes_it_predicts(compose_
 
 
 def test_the_ch13_deepseek_budget_is_two_mha_sequences(compose_config, tmp_path):
-    from ablate.model.config import preset
+    from ablate.model.presets import preset
     raw = compose_config(tmp_path, "+experiment=ch13_mla_deepseek")
     twin = preset("deepseek-v2-lite-shaped", **raw["experiment"]["arms"]["mha"]["model"])
     mla = preset("deepseek-v2-lite-shaped")
@@ -258,7 +258,7 @@ def test_the_kv_bytes_table_predicts_the_converted_smollm2_arms(compose_config, 
 
 def test_a_llama_checkpoint_loaded_over_an_mla_preset_is_the_llama(tmp_path):
     """The checkpoint's shape replaces the preset's, MLA fields included."""
-    from ablate.model.config import preset
+    from ablate.model.presets import preset
     directory = save_hf(build_hf("llama-untied"), tmp_path / "llama", sharded=False)
     model = load_model(preset("deepseek-tiny", init="pretrained", path=str(directory)))
     assert model.config.attention_kind == "mha" and not model.config.latent_norms

@@ -19,7 +19,8 @@ from ablate.api import Attention, PluginConfig, causal_mask
 from ablate.checkpoints import load_model
 from ablate.engine.arm import IncompatiblePlugins, check_attention_features
 from ablate.measure.quality import sequence_logits
-from ablate.model.config import ModelConfig, preset
+from ablate.model.config import ModelConfig
+from ablate.model.presets import preset
 from ablate.testing.hf_models import SMALL, build_hf, save_hf
 from test_model import make_step
 

@@ -216,7 +216,7 @@ def test_bad_moe_model_fields_are_refused_by_name(fields, message):
 def test_engine_graphs_on_a_cpu_compiles_around_each_strategy(build, make_requests):
     """torch.compile of the layers' arithmetic (engine.graphs on a CPU): the expert products stay
     eager (grouped_mm compiles in bf16 only), the tokens are the eager ones."""
-    from ablate.model.config import preset
+    from ablate.model.presets import preset
     from ablate.model.llama import LlamaModel
 
     model = LlamaModel.random(preset("moe-tiny", init="random"))
@@ -246,7 +246,7 @@ def test_the_cost_model_reads_the_experts_a_step_reaches():
     a one-token step reads 2 experts a layer, a step of 4 or more tokens all 8."""
     from ablate.analysis.analytic import CostModel
     from ablate.analysis.model_costs import model_costs
-    from ablate.model.config import preset
+    from ablate.model.presets import preset
 
     cfg = preset("mixtral-8x7b", dtype="bf16")
     assert round(cfg.num_params() / 1e9, 1) == 46.7 and round(cfg.num_params(active=True) / 1e9, 1) == 12.9

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import ablate.model.linear as linear
 from ablate.model import native, numpy_blas
 from ablate.model.native import build as native_build
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.linear import PACKABLE, Linear
 from ablate.model.llama import LlamaModel, RMSNorm
 from ablate.model.product_paths import MKL, NATIVE, PRODUCT_PATHS

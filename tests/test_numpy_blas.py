@@ -151,7 +151,7 @@ def test_a_batch_1_decode_step_runs_its_products_on_numpy(ablate_registry, monke
     paths and threads), and the greedy tokens are those of torch's paths."""
     from ablate.api.context import EngineConfig
     from ablate.api.sequence import Request
-    from ablate.model.config import preset
+    from ablate.model.presets import preset
     from ablate.model.llama import LlamaModel
     from ablate.testing.scenarios import build
 

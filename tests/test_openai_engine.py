@@ -15,7 +15,7 @@ from ablate.outside.contract import OutsideEngineError
 from ablate.outside.openai import OpenAICompatible
 from ablate.outside.timeline import Timeline
 from ablate.measure.metrics import summarise
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 
 CHUNK_DELAY_S = 0.01

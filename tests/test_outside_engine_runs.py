@@ -96,7 +96,7 @@ def gguf_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def smollm2():
     from ablate.checkpoints.loader import load_model, load_tokenizer
-    from ablate.model.config import preset
+    from ablate.model.presets import preset
 
     model = load_model(preset("smollm2-135m", init="pretrained"))
     return model, load_tokenizer(model.config)

@@ -19,7 +19,7 @@ from ablate.outside.contract import OutsideEngineError
 from ablate.outside.hf import HFConfig, HFGenerate, hf_state_dict
 from ablate.outside.discovery import load_engine
 from ablate.outside.timeline import Timeline
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,

@@ -11,7 +11,7 @@ import torch
 from ablate.checkpoints import gguf as gguf_ckpt
 from ablate.checkpoints import load_model, load_tokenizer
 from ablate.measure.quality import perplexity, sequence_logits, token_nlls
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 from ablate.workload.text import heldout_tokens
 

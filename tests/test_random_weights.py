@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from ablate.api.plugin import Slot
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 
 pytestmark = pytest.mark.slow     # a 16-layer model decoding 4 x 64 tokens twice (~4 s)

@@ -12,7 +12,7 @@ from ablate.analysis.recompute import (attention_crossover_len, attention_pairs_
                                        flops_without_cache, length_ratio, positions_with_cache,
                                        positions_without_cache, recomputed_positions)
 from ablate.book.tables.ch08 import TABLE_HEADING, analytic_tables
-from ablate.model.config import preset
+from ablate.model.presets import preset
 
 
 def test_the_books_counts():

@@ -21,7 +21,8 @@ from ablate.outside.hf import hf_state_dict
 from ablate.outside.hf_export import hf_config
 from ablate.experiment import identity, job
 from ablate.experiment.job import run_job
-from ablate.model.config import ModelConfig, preset
+from ablate.model.config import ModelConfig
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 from test_rounds import Killed, counting_run_once
 

@@ -13,7 +13,7 @@ from ablate.analysis.onchip import (ONCHIP, CacheLevel, cache_levels, measure_th
 from ablate.analysis.score_memory import (book_frame, both_units, measured_naive_peaks, score_bytes,
                                           score_memory_table)
 from ablate.book.tables.ch12 import ONCHIP_HEADING, SCORE_MEMORY_HEADING, analytic_tables
-from ablate.model.config import preset
+from ablate.model.presets import preset
 
 GIB = 2**30
 

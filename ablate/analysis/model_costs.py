@@ -5,22 +5,24 @@ For a model with L layers, H query heads of width d_h, H_kv K/V heads, in a dtyp
     KV bytes per token       kv = 2 L H_kv d_h e              (MLA: L (d_c + d_R) e)
     weight bytes             W = params e                      (MoE: every expert is held)
     active weight bytes      W_active = params_active e        (the weights a decoded token reads:
-                                                                dense models, all but the embedding
-                                                                table, of which it reads one row)
+                                                                all but the embedding table, of which
+                                                                it reads one row; MoE: of each MoE
+                                                                layer's routed experts the k it reaches)
     decode FLOPs per token   2 params_active + 4 L H d_h c     (matmuls; Q K^T and P V over c keys;
                                                                 MLA absorbed: 2 L H (2 d_c + d_R) c)
     decode bytes per token   W_active + c kv                   (batch 1: weights and the context's KV
                                                                 read once)
 
-Mixture-of-experts models take their published total and active counts (PUBLISHED_PARAMS): a
-ModelConfig has no experts.
+A ModelConfig with experts counts them itself (ModelConfig.num_params(active=True)); a preset whose
+mixture of experts it does not express takes the published total and active counts (PUBLISHED_PARAMS).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from ablate.model.config import DTYPES, ModelConfig, preset
+from ablate.model.config import DTYPES, ModelConfig
+from ablate.model.presets import preset
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,13 @@ class ModelCosts:
     def decode_flops_per_token(self, context: int) -> float:
         return 2 * self.params_active + self.attention_flops_per_token(context)
 
+    def kv_bytes_at(self, context: int) -> int:
+        """K/V bytes one sequence of `context` tokens needs: context x kv_bytes_per_token, but a layer
+        with a sliding window needs its last window tokens only (ModelConfig.kv_bytes_at)."""
+        return self.cfg.kv_bytes_at(context, self.element_bytes)
+
     def decode_bytes_per_token(self, context: int) -> float:
-        return self.active_weight_bytes + context * self.kv_bytes_per_token
+        return self.active_weight_bytes + self.kv_bytes_at(context)
 
 
 ENTRY_KEYS = ("preset", "label", "weights_of")
@@ -96,6 +103,7 @@ def model_costs(entry: dict[str, Any], dtype: str) -> ModelCosts:
         total, active = published.total, published.active
     else:
         total = shape.num_params()
-        # a decoded token reads every matmul weight; of the embedding table only its own row (untied)
-        active = total - (0 if shape.tied_embeddings else shape.vocab_size * shape.d_model)
+        # a decoded token reads every matmul weight (of a mixture of experts, the router, the shared
+        # expert and the k routed experts it reaches); of the embedding table only its own row (untied)
+        active = shape.num_params(active=True) - (0 if shape.tied_embeddings else shape.vocab_size * shape.d_model)
     return ModelCosts(label, cfg, element_bytes, float(total), float(active), cfg.kv_bytes_per_token(element_bytes))

@@ -31,7 +31,8 @@ import torch
 
 from ablate.analysis.attention_io import (AttentionShape, materialised_bytes, sdpa_flash_block_m, tiled_bytes,
                                           triton_flash_block_m)
-from ablate.model.config import ModelConfig, preset
+from ablate.model.config import ModelConfig
+from ablate.model.presets import preset
 
 BOOK_PRESET = "llama-2-70b"               # 64 query heads, as the book's example
 BOOK_ELEMENT_BYTES = 2                    # fp16: Q, K, V, O and the scores

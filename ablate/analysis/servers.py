@@ -79,19 +79,24 @@ class ServerCosts:
     def kv_tokens_that_fit(self) -> float:
         return self.memory_left_per_device // self.kv_bytes_per_token_per_device
 
+    def kv_bytes_per_request_per_device(self, context: int) -> int:
+        """One sequence of `context` tokens on one device: context x its bytes per token, but a layer
+        with a sliding window keeps its last window tokens only (ModelCosts.kv_bytes_at)."""
+        return self.model.kv_bytes_at(context) // self.model.kv_heads * self.kv_heads_per_device
+
     def kv_bytes_per_request(self, context: int) -> int:
-        return context * self.kv_bytes_per_token
+        return self.num_devices * self.kv_bytes_per_request_per_device(context)
 
     def max_requests(self, context: int) -> float:
-        return self.memory_left_per_device // (context * self.kv_bytes_per_token_per_device)
+        return self.memory_left_per_device // self.kv_bytes_per_request_per_device(context)
 
     def requests_fit(self, requests: int, context: int) -> bool:
         """`requests` sequences of `context` tokens: their KV fits beside the weights."""
-        return self.weights_fit and 0 < requests * context * self.kv_bytes_per_token_per_device <= \
+        return self.weights_fit and 0 < requests * self.kv_bytes_per_request_per_device(context) <= \
             self.memory_left_per_device
 
     def decode_bytes_per_device(self, context: int, batch: int = 1) -> float:
-        return self.model.active_weight_bytes / self.num_devices + batch * context * self.kv_bytes_per_token_per_device
+        return self.model.active_weight_bytes / self.num_devices + batch * self.kv_bytes_per_request_per_device(context)
 
     def decode_flops_per_device(self, context: int, batch: int = 1) -> float:
         return batch * self.model.decode_flops_per_token(context) / self.num_devices
@@ -118,7 +123,7 @@ def server_row(costs: ServerCosts, contexts: list[int]) -> dict[str, float | int
         flops, moved = costs.decode_flops_per_device(c), costs.decode_bytes_per_device(c)
         seconds = costs.decode_seconds(c)
         row |= {f"kv_bytes_per_request_at_{c}": costs.kv_bytes_per_request(c),
-                f"kv_bytes_per_request_per_device_at_{c}": c * costs.kv_bytes_per_token_per_device,
+                f"kv_bytes_per_request_per_device_at_{c}": costs.kv_bytes_per_request_per_device(c),
                 f"max_requests_at_{c}": costs.max_requests(c),
                 f"decode_ms_per_token_at_{c}": 1e3 * seconds,
                 f"intensity_flop_per_byte_at_{c}": flops / moved,

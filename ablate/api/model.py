@@ -11,7 +11,8 @@ may calibrate on (the corpus's prompt part, never the held-out part perplexity i
 """
 from ablate.checkpoints.loader import load_model, load_tokenizer
 from ablate.measure.quality import sequence_logits
-from ablate.model.config import PRESETS, ModelConfig, preset
+from ablate.model.config import ModelConfig
+from ablate.model.presets import PRESETS, preset
 from ablate.model.linear import Linear
 from ablate.model.llama import LlamaModel, SelfAttention
 from ablate.model.mla import MultiHeadLatentAttention, set_absorbed

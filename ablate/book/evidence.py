@@ -90,7 +90,7 @@ class Evidence:
         if not self.measure:
             return None
         from ablate.measure.verify_cost import verify_cost
-        from ablate.model.config import preset
+        from ablate.model.presets import preset
         from ablate.model.llama import LlamaModel
         model = LlamaModel.random(preset(self.VERIFY_MODEL, dtype="fp32", init="random"), self.device)
         return verify_cost(model, context=self.VERIFY_CONTEXT, ks=self.VERIFY_KS, rounds=self.VERIFY_ROUNDS, passes_per_round=2,

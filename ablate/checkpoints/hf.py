@@ -1,9 +1,10 @@
 """Local Hugging Face checkpoint directories: `config.json` plus `*.safetensors` (never pickle).
 
 Llama, Mistral and Qwen2 share one decoder layout; they differ in what config.json turns on:
-Qwen2 has biases on Q, K and V, Mistral and Qwen2 may declare a sliding window (recorded, not
-applied: our attention is full, which equals the sliding window whenever the sequence fits in it),
-and Llama 3.1+ may declare "llama3" RoPE scaling (applied, see `RotaryEmbedding`).
+Qwen2 has biases on Q, K and V, Mistral, Phi-3, Qwen2/3 and Gemma may declare a sliding window
+(applied: a windowed layer's query at position p sees keys p - sliding_window + 1 .. p, on the
+layers config.json names, see `window_fields`), and Llama 3.1+ may declare "llama3" RoPE scaling
+(applied, see `RotaryEmbedding`). Gemma 2 and 3: ablate.checkpoints.gemma.
 """
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ from typing import Any
 
 import torch
 
+from ablate.checkpoints.deepseek import DEEPSEEK_MODEL_TYPES, NO_MLA, deepseek_fields, rope_is_interleaved
+from ablate.checkpoints.experts import MOE_MODEL_TYPES, moe_fields
+from ablate.checkpoints.gemma import GEMMA_MODEL_TYPES, NO_GEMMA, GemmaConfigError, gemma_fields
 from ablate.checkpoints.lazy import LazyTensors
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", *DEEPSEEK_MODEL_TYPES, *MOE_MODEL_TYPES,
+                         *GEMMA_MODEL_TYPES)
 INDEX_FILE = "model.safetensors.index.json"
 
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -97,17 +102,21 @@ def hf_model_fields(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[
     """(ModelConfig fields, notes) from config.json.
 
     `max_seq_len` in the fields is the checkpoint's context length (max_position_embeddings); the
-    notes record what was read but not applied: the stored dtype and any sliding-window settings.
+    notes record what was read but is no field: the stored dtype (and what the loader folds into
+    the weights as it reads them: Gemma's query_pre_attn_scalar, DeepSeek's interleaved RoPE).
     """
     directory = Path(directory)
     config = read_hf_config(directory)
     model_type = config["model_type"]
-    if config.get("hidden_act", "silu") != "silu":
+    gemma = model_type in GEMMA_MODEL_TYPES        # GeGLU and more: ablate.checkpoints.gemma
+    if not gemma and config.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{directory}: hidden_act {config['hidden_act']!r} is not supported (silu only)")
-    if config.get("mlp_bias") or (model_type != "qwen2" and config.get("attention_bias")):
+    if config.get("mlp_bias") or (model_type not in ("qwen2", "qwen2_moe") and config.get("attention_bias")):
         raise CheckpointError(f"{directory}: attention_bias/mlp_bias are not supported for {model_type}")
     d_model, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    theta, llama3 = _rope_settings(config, directory)
+    deepseek = model_type in DEEPSEEK_MODEL_TYPES     # MLA, its own RoPE settings: ablate.checkpoints.deepseek
+    # Gemma 3 writes RoPE settings per kind of layer (gemma_fields reads them)
+    theta, llama3 = (10_000.0, None) if deepseek or model_type == "gemma3_text" else _rope_settings(config, directory)
     fields = dict(
         n_layers=int(config["num_hidden_layers"]),
         d_model=d_model,
@@ -120,20 +129,64 @@ def hf_model_fields(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[
         rope_llama3_scaling=llama3,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(config.get("qkv_bias", True))),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         max_seq_len=int(config.get("max_position_embeddings", 2048)),
     )
+    fields |= deepseek_fields(config, directory) if deepseek else NO_MLA    # a preset's MLA fields never stay
+    try:
+        fields |= gemma_fields(config, directory) if gemma else NO_GEMMA      # a preset's Gemma fields never stay
+    except GemmaConfigError as err:
+        raise CheckpointError(str(err)) from None
+    fields |= window_fields(config, directory)
+    if model_type in MOE_MODEL_TYPES:       # routed (and shared) experts: ablate.checkpoints.experts
+        fields |= moe_fields(config, directory)
     stored = config.get("dtype") or config.get("torch_dtype") or "float32"
     notes = {
         "format": "hf", "path": str(directory), "model_type": model_type,
         "checkpoint_dtype": _DTYPE_NAMES.get(str(stored).removeprefix("torch."), str(stored)),
-        "sliding_window": config.get("sliding_window"),
-        "use_sliding_window": config.get("use_sliding_window", model_type == "mistral"
-                                         and config.get("sliding_window") is not None),
-        "max_window_layers": config.get("max_window_layers"),
     }
+    if gemma:           # the loader folds the query scale into the weights (ablate.checkpoints.gemma)
+        notes["query_pre_attn_scalar"] = float(config.get("query_pre_attn_scalar") or fields["head_dim"])
+    if deepseek:        # the loader turns interleaved rotary rows into halves (ablate.checkpoints.deepseek)
+        notes["rope_interleaved"] = rope_is_interleaved(config)
     return fields, notes
+
+
+# model_type -> how its layers slide: every layer when sliding_window is set (Mistral, Phi-3), the
+# layers layer_types names (else those from max_window_layers on) when use_sliding_window (Qwen2/3),
+# the layers layer_types names (else every other one: Gemma 2; five of six: Gemma 3) (Gemma)
+_ALL_LAYERS_SLIDE = ("mistral", "phi3")
+_USE_SLIDING_WINDOW = ("qwen2", "qwen3")
+
+
+def window_fields(config: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """sliding_window and window_layers (ModelConfig) as transformers applies config.json's windows."""
+    model_type, n_layers = config["model_type"], int(config["num_hidden_layers"])
+    window = config.get("sliding_window")
+    if model_type in _USE_SLIDING_WINDOW and not config.get("use_sliding_window"):
+        window = None
+    if model_type not in (*_ALL_LAYERS_SLIDE, *_USE_SLIDING_WINDOW, *GEMMA_MODEL_TYPES) or window is None:
+        return {"sliding_window": 0, "window_layers": None}
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise CheckpointError(f"{directory / 'config.json'}: sliding_window must be a whole number > 0 or null, "
+                              f"got {window!r}")
+    if model_type in _ALL_LAYERS_SLIDE:
+        return {"sliding_window": window, "window_layers": None}
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        if model_type in _USE_SLIDING_WINDOW:
+            layer_types = ["sliding_attention" if i >= int(config.get("max_window_layers", 28)) else "full_attention"
+                           for i in range(n_layers)]
+        else:
+            every = 2 if model_type == "gemma2" else int(config.get("sliding_window_pattern", 6))
+            layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
+    known = ("sliding_attention", "full_attention")
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers or any(t not in known for t in layer_types):
+        raise CheckpointError(f"{directory / 'config.json'}: layer_types must list {n_layers} values, each one of "
+                              f"{', '.join(known)}; got {layer_types!r}")
+    sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    return {"sliding_window": window if sliding else 0, "window_layers": sliding if sliding else None}
 
 
 def safetensors_files(directory: str | os.PathLike) -> tuple[list[Path], dict[str, str]]:

@@ -14,6 +14,8 @@ import torch
 
 from ablate.checkpoints import gguf as gguf_ckpt
 from ablate.checkpoints import hf as hf_ckpt
+from ablate.checkpoints.deepseek import HalfSplitRope
+from ablate.checkpoints.gemma import GEMMA_MODEL_TYPES, GemmaWeights
 from ablate.checkpoints.tokenizer import Tokenizer
 from ablate.model.config import ModelConfig
 from ablate.model.llama import LlamaModel
@@ -75,6 +77,16 @@ def with_checkpoint_fields(cfg: ModelConfig, fields: dict[str, Any], path: Path)
                    init="pretrained", path=str(path))
 
 
+def checkpoint_shape(cfg: ModelConfig) -> ModelConfig:
+    """The model's shape without its weights: cfg itself, or for init=pretrained from a Hugging Face
+    directory its config.json's fields over cfg (a GGUF's shape is read when it loads). Raises as
+    load_model would for a checkpoint that is missing or whose config.json it refuses."""
+    if cfg.init != "pretrained" or not cfg.path or not Path(cfg.path).expanduser().is_dir():
+        return cfg
+    path = checkpoint_path(cfg)
+    return with_checkpoint_fields(cfg, hf_ckpt.hf_model_fields(path)[0], path)
+
+
 def warn_fp16_on_cpu(cfg: ModelConfig, device: torch.device | str) -> None:
     """One line, once per process: fp16 matmuls on a CPU are emulated, many times slower than bf16."""
     global _warned_fp16_cpu
@@ -97,6 +109,10 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> LlamaMod
         fields, notes = hf_ckpt.hf_model_fields(path)
         cfg = with_checkpoint_fields(cfg, fields, path)
         weights, origin = hf_ckpt.hf_state_dict(path)
+        if notes.get("rope_interleaved"):       # DeepSeek: rotary rows to the rotate-half layout, as read
+            weights = HalfSplitRope(weights, cfg.n_heads, cfg.head_dim, cfg.rope_head_dim)
+        if notes["model_type"] in GEMMA_MODEL_TYPES:    # norms' 1 + w and the query scale, as read
+            weights = GemmaWeights(weights, notes["model_type"], cfg.head_dim, notes["query_pre_attn_scalar"])
         try:
             model = LlamaModel.from_hf_state_dict(cfg, weights, device, source=str(path))
         except hf_ckpt.CheckpointError:     # a file or tensor that cannot be read: it names the file already
@@ -112,9 +128,6 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> LlamaMod
         with contextlib.closing(gguf_ckpt.gguf_tensors(gf, cfg)) as weights:    # threads reading ahead: stopped
             model = LlamaModel.from_hf_state_dict(cfg, weights, device, source=str(path))
     notes["context_length"] = fields["max_seq_len"]
-    if notes.get("use_sliding_window") and notes.get("sliding_window"):
-        log.warning("%s declares a sliding window of %s tokens; full attention is used instead "
-                    "(identical while sequences fit in the window)", path, notes["sliding_window"])
     model.checkpoint_notes = notes        # what was read from the checkpoint, for the results record
     return model
 

@@ -19,7 +19,7 @@ BASELINE = {Slot.MODEL: "none", Slot.KV_CACHE: "none", Slot.ATTENTION: "naive",
             Slot.SCHEDULER: "static", Slot.DECODING: "autoregressive"}
 MODEL_KEY = "model"     # an arm spec key that sets model fields rather than a slot's plugin
 ENGINE_KEY = "engine"   # an arm spec key that sets engine options per arm
-ARM_ENGINE_OPTIONS = ("graphs",)   # the engine options an arm may set (the limits are the experiment's)
+ARM_ENGINE_OPTIONS = ("graphs", "moe_experts")   # the engine options an arm may set (the limits are the experiment's)
 OWN_ENGINE = "ablate"        # engine.name of an arm that runs ablate's own engine (any other: ablate.outside)
 
 
@@ -38,6 +38,16 @@ def check_compatible(plugins: dict[Slot, type[Plugin]]) -> None:
                     f"{plugin.slot.value}={plugin.name} cannot run with {need.slot.value}={got}: "
                     f"it needs {need.slot.value} in {sorted(need.names)} ({need.reason})"
                 )
+
+
+def check_attention_features(attention: type[Attention], model: LlamaModel) -> None:
+    """Refuse an attention plugin that lacks a feature the model's layers need (a sliding window,
+    soft-capped scores), naming the plugin, the feature and the layers, before anything is built."""
+    cfg = model.config
+    layers = [cfg.layer_attention(i) for i in range(cfg.n_layers)] if hasattr(cfg, "layer_attention") else []
+    why = attention.missing_features(layers)
+    if why is not None:
+        raise IncompatiblePlugins(f"model {cfg.name!r}: {why}")
 
 
 @dataclass(frozen=True)
@@ -152,7 +162,8 @@ class BuiltArm:
                 raise PluginError(plugin, "stats", f"returned keys that differ from its reported_stats: "
                                   f"missing {missing}, undeclared {extra}")
             out |= {f"{plugin.slot.value}.{k}": v for k, v in values.items()}
-        return out | {f"engine.{k}": v for k, v in self.engine.runner.graph_stats().items()}
+        runner = self.engine.runner
+        return out | {f"engine.{k}": v for k, v in (runner.graph_stats() | runner.experts_stats()).items()}
 
     def close(self) -> None:
         if self.engine.runner.graphs is not None:
@@ -175,6 +186,7 @@ def build_arm(arm: Arm, model: LlamaModel, engine: EngineConfig, max_seq_len: in
     with blame(variant, "apply"):
         model = variant.apply(model)
     ctx = BuildContext(model, KVSpec.of(model, engine, max_seq_len), engine)
+    check_attention_features(registry.get(Slot.ATTENTION, arm.plugins[Slot.ATTENTION].name), model)
     kv_cache: KVCache = make(Slot.KV_CACHE, ctx)
     ctx._kv_cache = kv_cache
     attention: Attention = make(Slot.ATTENTION, ctx)
@@ -188,7 +200,8 @@ def build_arm(arm: Arm, model: LlamaModel, engine: EngineConfig, max_seq_len: in
     decoding: Decoding = make(Slot.DECODING, ctx)
     ctx.num_lookahead_tokens = decoding.num_lookahead_tokens
     scheduler: Scheduler = make(Slot.SCHEDULER, ctx)
-    runner = ModelRunner(model, kv_cache, attention, decoding_name=str(decoding), graphs=engine.graphs)
+    runner = ModelRunner(model, kv_cache, attention, decoding_name=str(decoding), graphs=engine.graphs,
+                         moe_experts=engine.moe_experts)
     plugins = {Slot.MODEL: variant, Slot.KV_CACHE: kv_cache, Slot.ATTENTION: attention,
                Slot.SCHEDULER: scheduler, Slot.DECODING: decoding}
     return BuiltArm(Engine(runner, scheduler, decoding, engine, hooks_for(kv_cache)), plugins)

@@ -15,7 +15,7 @@ def register_configs(registry: Registry) -> None:
     `model`, in Hydra's ConfigStore: `kv_cache=contiguous`, `model=smollm2-135m` then work."""
     from hydra.core.config_store import ConfigStore
 
-    from ablate.model.config import PRESETS
+    from ablate.model.presets import PRESETS
 
     cs = ConfigStore.instance()
     for (slot, name), cls in registry.plugins.items():

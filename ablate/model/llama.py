@@ -17,7 +17,10 @@ from ablate.model.config import ModelConfig
 from ablate.model import native
 from ablate.model.linear import Linear
 from ablate.model.mla import MultiHeadLatentAttention
-from ablate.model.rope import apply_rope, rotary_embedding
+from ablate.model.deepseek_moe import DeepSeekExperts
+from ablate.model.hf_names import read_hf_weights
+from ablate.model.moe import MixtureOfExperts
+from ablate.model.rope import RotaryEmbedding, apply_rope, rotary_embedding
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -55,10 +58,11 @@ class SelfAttention(nn.Module):
         # Qwen3: each head's q and k RMS-normalised (one weight per head_dim, shared by the heads)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.features = cfg.layer_attention(layer)      # a sliding window, soft-capped scores; None: plain
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:
         q, k, v = fwd.dense(_project_qkv, self, x, rope)                      # (T, H, D), (T, H_kv, D) x 2
-        out = fwd.attend(self.layer, q, fwd.store(self.layer, k, v))          # (T, H, D)
+        out = fwd.attend(self.layer, q, fwd.store(self.layer, k, v), self.features)   # (T, H, D)
         return fwd.dense(_project_out, self, out)                             # (T, d)
 
 
@@ -78,19 +82,28 @@ def _project_out(attn: SelfAttention, out: torch.Tensor) -> torch.Tensor:
     return attn.wo(out.reshape(out.shape[0], attn.q_size))                    # (T, H, D) -> (T, d)
 
 
-def _mlp_residual(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
-    return x + layer.mlp(layer.mlp_norm(x))
+def _mlp_residual(layer: DecoderLayer, x: torch.Tensor, *experts: str) -> torch.Tensor:
+    """experts: a mixture of experts' strategy (engine.moe_experts, ablate/model/moe.py); () for a SwiGLU."""
+    out = layer.mlp(layer.mlp_norm(x), *experts)
+    return x + (out if layer.mlp_post_norm is None else layer.mlp_post_norm(out))
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """down(act(gate(x)) * up(x)): act = SiLU (Llama), or GELU's tanh approximation (Gemma's GeGLU)."""
+
+    def __init__(self, cfg: ModelConfig, d_ff: int = 0) -> None:
+        """d_ff: the hidden width, 0 -> cfg.d_ff (a mixture of experts' shared expert has its own)."""
         super().__init__()
-        self.d_ff = cfg.d_ff
-        self.w_gate_up = Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
-        self.w_down = Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.d_ff = d_ff or cfg.d_ff
+        self.gelu = cfg.mlp_activation == "gelu_tanh"
+        self.w_gate_up = Linear(cfg.d_model, 2 * self.d_ff, bias=False)
+        self.w_down = Linear(self.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.w_gate_up(x)                                          # (T, 2 F)
+        if self.gelu:
+            gate, up = gate_up.split(self.d_ff, dim=-1)
+            return self.w_down(F.gelu(gate, approximate="tanh") * up)
         if native.takes(gate_up):                                            # a few rows: one call, not three
             return self.w_down(native.silu_mul(gate_up))
         gate, up = gate_up.split(self.d_ff, dim=-1)
@@ -106,11 +119,37 @@ class DecoderLayer(nn.Module):
         else:
             self.attn = SelfAttention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        if cfg.is_moe_layer(layer):
+            shared = SwiGLU(cfg, cfg.shared_expert_d_ff) if cfg.shared_expert_d_ff else None
+            experts = MixtureOfExperts if cfg.moe_router == "softmax" else DeepSeekExperts   # DeepSeek's routing
+            self.mlp = experts(cfg, shared)
+        else:
+            self.mlp = SwiGLU(cfg)
+        # Gemma: the attention's and the MLP's outputs normalised too, before each residual add
+        self.attn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.post_norms else None
+        self.mlp_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.post_norms else None
+        # Gemma 3: the windowed layers rotate by a RoPE base of their own
+        self.local_rope = bool(cfg.rope_local_base) and cfg.layer_window(layer) is not None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, fwd)
-        return fwd.dense(_mlp_residual, self, x)
+        out = self.attn(self.attn_norm(x), rope, fwd)
+        x = x + (out if self.attn_post_norm is None else self.attn_post_norm(out))
+        experts = (fwd.moe_experts,) if isinstance(self.mlp, MixtureOfExperts) else ()
+        return fwd.dense(_mlp_residual, self, x, *experts)
+
+
+def _ropes(cfg: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+    """(the RoPE of every layer, or of the full ones; the windowed layers' own, or None). Gemma 3 gives
+    its windowed layers a base of their own (rope_local_base) and may scale the other layers' positions
+    linearly (rope_linear_factor: p / factor, i.e. every frequency / factor)."""
+    rope = rotary_embedding(cfg)
+    if cfg.rope_linear_factor != 1.0:
+        dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu")    # on the CPU even under meta
+        inv_freq = 1.0 / cfg.rope_base ** (dims / cfg.head_dim)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_base,
+                               explicit_inv_freq=inv_freq / cfg.rope_linear_factor)
+    local = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_local_base) if cfg.rope_local_base else None
+    return rope, local
 
 
 class LlamaModel(nn.Module):
@@ -130,20 +169,25 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tied_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.rope = rotary_embedding(cfg)
+        self.rope, self.rope_local = _ropes(cfg)
 
     @torch.inference_mode()
     def forward(self, fwd: Forward) -> torch.Tensor:
         """Packed tokens -> final hidden states (T, d_model)."""
         x = self.embed(fwd.step.input_ids)                 # (T, d)
+        if self.config.scale_embeddings:                   # Gemma: x sqrt(d_model), the factor rounded to x's dtype
+            x = x * float(torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype, device="cpu"))
         rope = self.rope.tables(fwd.step.positions, x.dtype)
+        local = self.rope_local.tables(fwd.step.positions, x.dtype) if self.rope_local is not None else rope
         for layer in self.layers:
-            x = layer(x, rope, fwd)
+            x = layer(x, local if layer.local_rope else rope, fwd)
         return self.norm(x)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()                # (N, vocab) in fp32 for sampling
+        logits = self.lm_head(hidden).float()              # (N, vocab) in fp32 for sampling
+        cap = self.config.final_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits    # Gemma 2: c tanh(logits / c)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
@@ -155,12 +199,13 @@ class LlamaModel(nn.Module):
         until finalize."""
         with torch.device("meta"):
             model = cls(cfg)
-        rope, model.rope = model.rope, None   # its tables are real (built on the CPU): kept out of the cast
+        # its tables are real (built on the CPU): kept out of the cast
+        ropes, model.rope, model.rope_local = (model.rope, model.rope_local), None, None
         # on the meta device the cast allocates nothing; to_empty then allocates each tensor once, on `device`
         model = model.to(dtype=cfg.torch_dtype).to_empty(device=device)
         if cfg.tied_embeddings:               # to_empty gives each module its own copy: tie again
             model.lm_head.weight = model.embed.weight
-        model.rope = rope
+        model.rope, model.rope_local = ropes
         return model
 
     @classmethod
@@ -197,7 +242,7 @@ class LlamaModel(nn.Module):
                 elif name.endswith("bias"):
                     p.zero_()
                 else:
-                    std = EMBEDDING_STD if p is model.embed.weight else p.shape[1] ** -0.5   # (out, in): 1/sqrt(fan_in)
+                    std = EMBEDDING_STD if p is model.embed.weight else p.shape[-1] ** -0.5   # (..., out, in): 1/sqrt(fan_in)
                     if on_host:
                         p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
                     else:
@@ -207,73 +252,22 @@ class LlamaModel(nn.Module):
     @classmethod
     def from_hf_state_dict(cls, cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
                            device: torch.device | str = "cpu", source: str = "checkpoint") -> LlamaModel:
-        """Build from tensors named as in Hugging Face's Llama (`model.layers.0.self_attn.q_proj.weight`...).
-
-        The model is allocated on `device` in its dtype, and each tensor is looked up once and copied
-        (cast) into its rows there: with a lazy mapping (ablate.checkpoints.lazy) host memory holds
-        one tensor at a time. Raises a ValueError naming `source` and the tensor when one is missing
-        or mis-shaped.
-        """
-        if cfg.attention_kind != "mha":
-            raise ValueError(f"{source}: loading MLA checkpoints is not supported; load a Llama-family "
-                             "checkpoint and convert it with variant=mla")
+        """Build from tensors named as in Hugging Face's checkpoints (ablate/model/hf_names.py), allocated
+        on `device` in the model's dtype, each tensor copied (cast) into its rows there."""
         cfg = cfg.for_device(device)
         model = cls.empty(cfg, device)
-        names = {k.removeprefix("model."): k for k in weights}      # names only: nothing is read yet
-
-        def put(param: torch.Tensor, *parts: tuple[str, tuple[int, ...]]) -> None:
-            """The named tensors, checked against their shapes, into consecutive rows of `param`."""
-            row = 0
-            for name, shape in parts:
-                if name not in names:
-                    raise ValueError(f"{source}: missing tensor {name!r}")
-                t = weights[names[name]]
-                if tuple(t.shape) != shape:
-                    raise ValueError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
-                param[row:row + shape[0]].copy_(t)
-                row += shape[0]
-
-        d, hd = cfg.d_model, cfg.head_dim
-        qs, kvs = cfg.n_heads * hd, cfg.n_kv_heads * hd
-        with torch.no_grad():
-            put(model.embed.weight, ("embed_tokens.weight", (cfg.vocab_size, d)))
-            for i, layer in enumerate(model.layers):
-                pre = f"layers.{i}."
-                attn = pre + "self_attn."
-                if attn + "qkv_proj.weight" in names:          # fused as ours (Phi-3): rows q, k, v
-                    put(layer.attn.wqkv.weight, (attn + "qkv_proj.weight", (qs + 2 * kvs, d)))
-                else:
-                    put(layer.attn.wqkv.weight, (attn + "q_proj.weight", (qs, d)), (attn + "k_proj.weight", (kvs, d)),
-                        (attn + "v_proj.weight", (kvs, d)))
-                if cfg.qkv_bias:
-                    put(layer.attn.wqkv.bias, (attn + "q_proj.bias", (qs,)), (attn + "k_proj.bias", (kvs,)),
-                        (attn + "v_proj.bias", (kvs,)))
-                put(layer.attn.wo.weight, (attn + "o_proj.weight", (d, qs)))
-                if cfg.qk_norm:
-                    put(layer.attn.q_norm.weight, (attn + "q_norm.weight", (hd,)))
-                    put(layer.attn.k_norm.weight, (attn + "k_norm.weight", (hd,)))
-                if pre + "mlp.gate_up_proj.weight" in names:   # fused as ours (Phi-3): rows gate, up
-                    put(layer.mlp.w_gate_up.weight, (pre + "mlp.gate_up_proj.weight", (2 * cfg.d_ff, d)))
-                else:
-                    put(layer.mlp.w_gate_up.weight, (pre + "mlp.gate_proj.weight", (cfg.d_ff, d)),
-                        (pre + "mlp.up_proj.weight", (cfg.d_ff, d)))
-                put(layer.mlp.w_down.weight, (pre + "mlp.down_proj.weight", (d, cfg.d_ff)))
-                put(layer.attn_norm.weight, (pre + "input_layernorm.weight", (d,)))
-                put(layer.mlp_norm.weight, (pre + "post_attention_layernorm.weight", (d,)))
-            put(model.norm.weight, ("norm.weight", (d,)))
-            if not cfg.tied_embeddings:
-                if "lm_head.weight" not in names:
-                    raise ValueError(f"{source}: missing tensor 'lm_head.weight' (the embeddings are not tied)")
-                put(model.lm_head.weight, ("lm_head.weight", (cfg.vocab_size, d)))
+        read_hf_weights(model, weights, source)
         return model.finalize(device)
 
     def finalize(self, device: torch.device | str) -> LlamaModel:
         """On the device in the configured dtype (nothing moves for a model empty() already put there);
         the RoPE tables stay fp32: the angles of late positions need its precision (tables() casts per step)."""
         for child in self.children():
-            if child is not self.rope:
+            if child is not self.rope and child is not self.rope_local:
                 child.to(device=device, dtype=self.config.torch_dtype)
         self.rope.to(device=device)
+        if self.rope_local is not None:
+            self.rope_local.to(device=device)
         # W^T contiguous: MKL's fast fp32 matrix-vector layout (bf16/fp16 products are not MKL's, and
         # PyTorch's own kernels for them are far slower on a transposed weight: keep those as they are)
         if torch.device(device).type == "cpu" and self.config.torch_dtype == torch.float32:

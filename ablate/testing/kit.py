@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from ablate.api.plugin import Slot
 from ablate.engine.registry import Registry, default_registry
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 from ablate.testing.coverage import Coverage
 from ablate.testing.declarations import check_config_roundtrip, check_declarations, check_requirements_enforced

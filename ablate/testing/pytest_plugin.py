@@ -24,7 +24,7 @@ def ablate_registry():
 
 @pytest.fixture(scope="session")
 def ablate_tiny_model():
-    from ablate.model.config import preset
+    from ablate.model.presets import preset
     from ablate.model.llama import LlamaModel
     return LlamaModel.random(preset("tiny"))
 

@@ -20,7 +20,7 @@ from ablate.api.context import EngineConfig
 from ablate.api.plugin import PluginError, Slot
 from ablate.engine.registry import Registry
 from ablate.engine.teacher import teacher_forced_logits
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 from ablate.testing.scenarios import ConformanceError, arm_spec, build
 

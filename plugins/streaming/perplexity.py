@@ -21,7 +21,7 @@ from ablate.checkpoints.loader import load_model, load_tokenizer
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.engine.registry import default_registry
 from ablate.measure.quality import runner_perplexity
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.workload.text import heldout_tokens
 
 

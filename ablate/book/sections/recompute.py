@@ -11,7 +11,7 @@ import math
 from ablate.analysis import recompute as arithmetic
 from ablate.book.claims import Claim, checked, computed, measured, not_run
 from ablate.book.tables.ch08 import analytic_tables
-from ablate.model.config import preset
+from ablate.model.presets import preset
 
 SECTION = "7.2"
 BOOK = "python -m ablate book section=7.2"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ablate.analysis.analytic import CostModel
 from ablate.analysis.costs import model_costs
 from ablate.book.claims import DIFFERS, Claim, checked, computed, in_bytes, measured, not_run
-from ablate.model.config import preset
+from ablate.model.presets import preset
 
 SECTION = "7.5"
 BOOK = "python -m ablate book section=7.5"

@@ -14,7 +14,8 @@ import pandas as pd
 
 from ablate.analysis.recompute import (flops_with_cache, flops_without_cache, positions_with_cache,
                                        positions_without_cache, prefill_flops)
-from ablate.model.config import PRESETS, ModelConfig, preset
+from ablate.model.config import ModelConfig
+from ablate.model.presets import PRESETS, preset
 
 TABLE_HEADING = "Recompute arithmetic (predicted beside measured)"
 NO_CACHE_ARM, CACHED_ARM = "recompute", "contiguous"      # ch08_kv_cache's arms (by name or by kv_cache)

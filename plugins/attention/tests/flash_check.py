@@ -27,7 +27,7 @@ from ablate.api.sequence import Request
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.engine.graphs import DecodeGraphs, why_not_capturable
 from ablate.engine.registry import default_registry
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 
 ARMS = {   # arm -> (model preset, arm spec)

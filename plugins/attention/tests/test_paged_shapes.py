@@ -22,7 +22,7 @@ from ablate.api.kv import KVSpec, PagedKV  # noqa: E402
 from ablate.api.plugin import Slot  # noqa: E402
 from ablate.api.sequence import Request  # noqa: E402
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm  # noqa: E402
-from ablate.model.config import preset  # noqa: E402
+from ablate.model.presets import preset  # noqa: E402
 from ablate.model.llama import LlamaModel  # noqa: E402
 from ablate.model.mla import set_absorbed  # noqa: E402
 from ablate.api import native  # noqa: E402

@@ -10,7 +10,7 @@ from ablate.api.context import EngineConfig
 from ablate.api.sequence import Request, SamplingParams
 from ablate.engine.arm import BuiltArm, baseline_configs, build_arm, resolve_arm
 from ablate.engine.registry import Registry, default_registry
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 
 # two shared cores: one thread each is fastest for tiny matmuls

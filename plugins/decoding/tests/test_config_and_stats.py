@@ -6,7 +6,7 @@ import math
 import pytest
 
 from ablate.api.plugin import Slot
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate_decoding.acceptance import accept_greedy
 from ablate_decoding.draft_models import draft_model_config, layer_skip_layers, layer_subset
 from ablate_decoding.ngram import NgramDrafter, lookup

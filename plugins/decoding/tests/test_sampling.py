@@ -17,7 +17,7 @@ import torch
 
 import ablate_decoding.speculative as speculative_module
 from ablate.api.sequence import Request, SamplingParams
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 from ablate_decoding.acceptance import Verdict
 

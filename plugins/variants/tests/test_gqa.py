@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ablate.measure.quality import sequence_logits
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 from ablate_variants.gqa import GQAConfig, mean_pool_heads, to_kv_heads
 

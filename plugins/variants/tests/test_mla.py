@@ -12,7 +12,7 @@ from ablate.api.sequence import Request, Sequence
 from ablate.api.step import Batch
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.measure.quality import sequence_logits
-from ablate.model.config import preset
+from ablate.model.presets import preset
 from ablate.model.llama import LlamaModel
 from ablate.model.mla import MultiHeadLatentAttention, set_absorbed
 from ablate_variants.mla import MLAConfig, to_mla

@@ -47,13 +47,28 @@ def threshold(monkeypatch):
 def test_the_share_left_is_what_our_threads_did_not_wait(threads, waited, steal, left):
     own = 1.5 * threads          # what we ran, and what others ran, are not waiting
     start = reading(10.0, 100.0, 5.0, waited=3.0)
-    end = reading(12.0, 100.0 + own + 1.0, 5.0 + own, 2 * 4 * steal, 7, waited=3.0 + waited)
+    end = reading(12.0, 100.0 + own + 6.0, 5.0 + own, 2 * 4 * steal, 7, waited=3.0 + waited)
     share = share_between(start, end, threads, 4)
-    assert share.from_schedstat and share.others_cores == pytest.approx(0.5)
+    assert share.from_schedstat and share.others_cores == pytest.approx(3.0)
     assert share.steal_share == pytest.approx(steal)
     assert share.cpu_left_share == pytest.approx(left)
     assert share.cpu_time_share == pytest.approx(own / (2 * threads))
     assert share.involuntary_switches == 7
+
+
+@pytest.mark.parametrize("others, left", [
+    (0.0, 1.0 - 4 * cpu_load.TICK_S / 4),    # nobody else ran: our processes waited for each other (but a tick a CPU)
+    (0.5, 0.75 - 4 * cpu_load.TICK_S / 4),   # others ran 1 core-second of the 2 s: at most that much waiting is theirs
+    (4.0, 0.0),                              # others ran longer than we waited: all of it counts
+])
+def test_waiting_counts_only_up_to_what_others_ran(others, left):
+    """An outside engine whose server and workers outnumber the cores (vLLM on 2) waits for itself: that is
+    how it runs, not contention, and must not leave its arm out as contended."""
+    own = 3.0                   # a descendant's CPU time is ours (the engine's worker processes)
+    share = share_between(reading(10.0, 100.0, 5.0, waited=0.0),
+                          reading(12.0, 100.0 + own + 2 * others, 5.0 + own, waited=4.0), 2, 2)
+    assert share.others_cores == pytest.approx(others)
+    assert share.cpu_left_share == pytest.approx(left)
 
 
 @pytest.mark.parametrize("threads, cpus, others, left", [

@@ -8,8 +8,13 @@ an outside engine's). Over an interval of `wall` seconds, with T threads of ours
     cpu_time_share = our CPU seconds / (wall x T)            what our threads ran (spinning counts)
     others_cores   = (busy CPU seconds of the N CPUs - our CPU seconds) / wall
     steal_share    = steal seconds of the N CPUs / (wall x N)    a hypervisor's other guests
-    cpu_wait_share = seconds our threads waited for a CPU / (wall x T)
+    cpu_wait_share = min(seconds our threads waited for a CPU, others_cores x wall + 2 N tick) / (wall x T)
     cpu_left_share = max(0, 1 - cpu_wait_share - steal_share)    the share of our CPU time left to us
+
+The waiting others caused cannot exceed the CPU time they used (read in jiffies: to a tick on each
+CPU at either end of the interval): the rest is our threads waiting for
+each other (an outside engine whose server and workers outnumber the cores: vLLM's API server and
+engine core beside its OpenMP threads on 2 cores), which is how that arm runs, not time taken from it.
 
 Where schedstat is missing, what others took of our cores stands in for the waiting, in jiffies:
 cpu_wait_share = max(0, others_cores - (N - T)) / T. A run is *contended* when cpu_left_share <
@@ -181,8 +186,10 @@ def share_between(start: CpuReading, end: CpuReading, threads: int, num_cpus: in
     others = max(end.busy_s - start.busy_s - own, 0.0) / wall
     steal = max(end.steal_s - start.steal_s, 0.0) / (wall * num_cpus)
     from_schedstat = start.waited_s is not None and end.waited_s is not None
-    if from_schedstat:
-        waited = max(end.waited_s - start.waited_s, 0.0) / (wall * threads)
+    if from_schedstat:     # at most what others ran (to a tick on each CPU at either end): the rest, our
+        # own threads waited for each other
+        ran_by_others = others * wall + 2 * num_cpus * TICK_S
+        waited = min(max(end.waited_s - start.waited_s, 0.0), ran_by_others) / (wall * threads)
     else:
         waited = max(0.0, others - (num_cpus - threads)) / threads
     return CpuShare(wall, threads, num_cpus, own / (wall * threads), others, steal, waited,

@@ -58,8 +58,8 @@ def _rewrite(source: Path, target: Path, weights: str) -> None:
         if weights == "f16" and values.ndim > 1:
             writer.add_tensor(tensor.name, values.astype(np.float16), raw_dtype=gguf.GGMLQuantizationType.F16)
         elif weights == "bf16" and values.ndim > 1:     # round to nearest even, as torch's cast does
-            bf16 = gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16)            # uint8 bytes, 2 per value
-            writer.add_tensor(tensor.name, bf16, raw_shape=values.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+            bf16 = gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16)     # (..., 2 n) bytes: the writer
+            writer.add_tensor(tensor.name, bf16, raw_dtype=gguf.GGMLQuantizationType.BF16)   # reads the shape off them
         else:
             writer.add_tensor(tensor.name, values, raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()

@@ -41,7 +41,7 @@ from ablate.checkpoints import load_model
 from ablate.engine.registry import default_registry
 from ablate.measure.quality import sequence_logits
 from ablate.model.config import ModelConfig
-from ablate.testing.hf_models import KINDS, build_hf, save_hf
+from ablate.testing.hf_models import KINDS, SMALL, build_hf, save_hf
 from ablate.testing.scenarios import build
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,8 +84,14 @@ def parity(kind: str, directory: Path) -> dict:
     return row
 
 
+def wide(kind: str) -> dict:
+    """WIDE for `kind`, its K/V heads as many as its query heads where the kind is multi-head (DeepSeek's MLA)."""
+    kv_heads = KINDS[kind][2].get("num_key_value_heads", SMALL["num_key_value_heads"])
+    return WIDE | ({"num_key_value_heads": WIDE["num_attention_heads"]} if kv_heads == SMALL["num_attention_heads"] else {})
+
+
 def speed(kind: str, directory: Path, batch: int, results: Path, repeats: int) -> dict:
-    save_hf(build_hf(kind, **WIDE), directory, sharded=False)
+    save_hf(build_hf(kind, **wide(kind)), directory, sharded=False)
     name = f"vs_hf_{kind}_b{batch}"
     command = [sys.executable, "-m", "ablate", "+experiment=vs_hf", f"model.path={directory}",
                f"engine.max_num_seqs={batch}", f"workload.num_requests={2 * batch}", f"experiment.repeats={repeats}",

@@ -187,6 +187,7 @@ def edited(directory: Path, tmp_path: Path, **changes) -> Path:
      r"RoPE scaling 'dynamic' is not supported for deepseek_v2 \(only 'yarn', or none\)"),
     ({"qk_rope_head_dim": 7}, r"qk_rope_head_dim must be even"),
     ({"kv_lora_rank": None}, r"config.json: kv_lora_rank must be a whole number > 0, got None"),
+    ({"num_key_value_heads": 2}, r"num_key_value_heads \(2\) must equal num_attention_heads \(4\)"),
 ])
 def test_what_cannot_run_is_refused_naming_the_field(changes, message, saved, tmp_path):
     _, directory = saved("deepseek-v2")

@@ -51,6 +51,10 @@ def deepseek_fields(config: dict[str, Any], directory: str | os.PathLike) -> dic
     q_rank = config.get("q_lora_rank")
     if q_rank is not None and (isinstance(q_rank, bool) or not isinstance(q_rank, int) or q_rank <= 0):
         raise _error(f"{path}: q_lora_rank must be null (a full q_proj) or a whole number > 0, got {q_rank!r}")
+    kv_heads = config.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != config["num_attention_heads"]:   # transformers would repeat K/V heads
+        raise _error(f"{path}: num_key_value_heads ({kv_heads}) must equal num_attention_heads "
+                     f"({config['num_attention_heads']}): MLA up-projects a K and a V for every query head from the latent")
     if config["qk_rope_head_dim"] % 2:
         raise _error(f"{path}: qk_rope_head_dim must be even (RoPE rotates pairs), got {config['qk_rope_head_dim']}")
     theta, yarn = _rope(config, path)

@@ -366,3 +366,35 @@ def test_without_the_kernels_paged_decode_attention_says_why():
     with native.LIBRARY.switched_off("off for this test"):
         q, k_cache, v_cache, _, _ = paged_decode_case([5], 4, 2, 2, head_dim=16)
         assert native.paged_decode_problem(q, k_cache, v_cache) == "no native kernels (off for this test)"
+
+
+@needs_native
+@pytest.mark.parametrize("wrong", ["narrower input", "more outputs", "short bias", "two rows"])
+def test_matvec_refuses_what_would_read_past_its_buffers(wrong):
+    """The C kernel trusts its pointers: a pack of another shape, a short bias or more than one row is a
+    ValueError before the call, never a read past the end of a buffer."""
+    w = torch.randn(24, 40)
+    packed, x, bias, d_out = native.pack_rows(w), torch.randn(1, 40), torch.randn(24), 24
+    if wrong == "narrower input":
+        x = torch.randn(1, 8)
+    elif wrong == "more outputs":
+        d_out = 64
+    elif wrong == "short bias":
+        bias = torch.randn(3)
+    else:
+        x = torch.randn(2, 40)
+    with pytest.raises(ValueError, match="native matvec: W packed as"):
+        native.matvec(packed, x, bias, d_out, 1)
+
+
+def test_a_layer_repacks_when_its_weight_changes_shape_at_the_same_address():
+    from ablate.model.linear import Linear
+
+    layer = Linear(40, 24, bias=False)
+    x = torch.randn(1, 40)
+    if not native.available():
+        pytest.skip("no native kernels")
+    layer._native(x, 1)
+    storage = layer.weight.data
+    layer.weight.data = storage.view(-1)[: 16 * 40].view(16, 40)     # same address, same version, fewer rows
+    torch.testing.assert_close(layer._native(x, 1), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)

@@ -181,10 +181,10 @@ class Linear(nn.Linear):
 
     def _native(self, x: torch.Tensor, threads: int) -> torch.Tensor:
         """One row through the native kernel, on W packed into its layout (native.pack_rows)."""
-        key = _weight_key(self.weight)
+        key = (*_weight_key(self.weight), *self.weight.shape)       # a new weight at a freed one's address
         if key != self._native_key:
             self._native_packed, self._native_key = native.pack_rows(self.weight), key
-        return native.matvec(self._native_packed, x, self.bias, self.out_features, threads)
+        return native.matvec(self._native_packed, x, self.bias, self.weight.shape[0], threads)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight

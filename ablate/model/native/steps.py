@@ -38,7 +38,16 @@ def pack_rows(w: torch.Tensor) -> torch.Tensor:
 
 
 def matvec(packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, d_out: int, threads: int) -> torch.Tensor:
-    """x W^T + b for one row x (..., d_in), W fp32 on the CPU packed by pack_rows -> (..., d_out)."""
+    """x W^T + b for one row x (..., d_in), W fp32 on the CPU packed by pack_rows -> (..., d_out).
+
+    The C kernel trusts its pointers, so what they point at is checked here first: a pack of another
+    shape than (d_out, d_in), or a bias shorter than d_out, would have it read past their ends."""
+    want = (-(-d_out // 8), -(-x.shape[-1] // 16), 8, 16)
+    if (tuple(packed.shape) != want or not packed.is_contiguous() or packed.dtype != torch.float32
+            or x.dtype != torch.float32 or x.numel() != x.shape[-1] or (bias is not None and bias.numel() != d_out)):
+        raise ValueError(f"native matvec: W packed as {tuple(packed.shape)} {packed.dtype}, one {x.dtype} row of "
+                         f"{tuple(x.shape)} and a bias of {None if bias is None else bias.numel()} cannot make "
+                         f"{d_out} outputs: expected pack_rows of a ({d_out}, {x.shape[-1]}) fp32 W, shape {want}")
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], d_out, dtype=x.dtype, device=x.device)
     library().matvec(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),

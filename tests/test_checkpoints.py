@@ -21,7 +21,7 @@ from ablate.checkpoints.gguf import read_gguf
 from ablate.measure.quality import sequence_logits
 from ablate.model.config import ModelConfig
 from ablate.model.presets import preset
-from ablate.testing.hf_models import SMALL, build_hf, save_hf
+from ablate.testing.hf_models import greedy, hf_logits, SMALL, build_hf, save_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,19 +30,8 @@ NEW_TOKENS = 32
 
 
 
-def greedy(logits_fn, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
-    """n greedy tokens: argmax of the last row, append, run the whole sequence again."""
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(logits_fn(ids)[-1].argmax()))
-    return ids[len(prompt):]
 
 
-def hf_logits(model):
-    @torch.no_grad()
-    def run(ids: list[int]) -> torch.Tensor:
-        return model(torch.tensor([ids])).logits[0].float()        # (T, V)
-    return run
 
 
 def ours(model):
@@ -67,7 +56,7 @@ def test_hf_directory_matches_transformers(kind, tmp_path):
     prompt = torch.randint(0, SMALL["vocab_size"], (16,), generator=torch.Generator().manual_seed(1)).tolist()
     diff = (ours(model)(prompt) - hf_logits(hf)(prompt)).abs().max().item()
     assert diff < TOL, f"{kind}: max |logit diff| {diff:.2e}"
-    assert greedy(ours(model), prompt) == greedy(hf_logits(hf), prompt)
+    assert greedy(ours(model), prompt, NEW_TOKENS) == greedy(hf_logits(hf), prompt, NEW_TOKENS)
 
 
 def test_llama3_rope_scaling_changes_the_model(tmp_path):
@@ -164,7 +153,7 @@ def test_gguf_matches_transformers(tied, tmp_path):
     prompt = list(range(3, 19))
     diff = (ours(model)(prompt) - hf_logits(hf)(prompt)).abs().max().item()
     assert diff < TOL
-    assert greedy(ours(model), prompt) == greedy(hf_logits(hf), prompt)
+    assert greedy(ours(model), prompt, NEW_TOKENS) == greedy(hf_logits(hf), prompt, NEW_TOKENS)
 
 
 def test_gguf_header_parser_agrees_with_gguf_reader(tmp_path):
@@ -326,7 +315,7 @@ def test_smollm2_gguf_matches_transformers(smollm2_pair):
     prompt = tok.encode("The Python programming language was created by")     # short: 32 uncached forwards follow
     diff = (ours(model)(prompt) - hf_logits(hf)(prompt)).abs().max().item()
     assert diff < TOL, f"max |logit diff| {diff:.2e}"
-    ids = greedy(ours(model), prompt)
+    ids = greedy(ours(model), prompt, NEW_TOKENS)
     # transformers' own greedy generation (KV-cached); min_new_tokens only masks EOS, which is
     # checked not to be our choice, so the two decodings are the same argmax at every step
     assert tok.eos_id not in ids
@@ -348,7 +337,7 @@ def test_a_qwen3_checkpoint_decodes_transformers_greedy_text_through_each_cache(
     request = make_requests([len(prompt)], [NEW_TOKENS])[0]
     request = type(request)(request.request_id, tuple(prompt), NEW_TOKENS, request.sampling, ())
     (seq,) = build({"kv_cache": kv_cache}, model, record=False).engine.run([request])
-    assert seq.output_token_ids == greedy(hf_logits(hf), prompt)
+    assert seq.output_token_ids == greedy(hf_logits(hf), prompt, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("variant", [{"name": "gqa", "kv_heads": 1}, {"name": "mla", "rank": 8}])

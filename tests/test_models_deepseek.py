@@ -15,9 +15,8 @@ import torch
 from ablate.checkpoints import load_model
 from ablate.checkpoints.hf import CheckpointError
 from ablate.measure.quality import sequence_logits
-from ablate.model.config import ModelConfig
 from ablate.model.mla import MultiHeadLatentAttention, set_absorbed
-from ablate.testing.hf_models import DEEPSEEK_MLA, SMALL, build_hf, save_hf
+from ablate.testing.hf_models import greedy, hf_logits, pretrained, random_prompt, DEEPSEEK_MLA, SMALL, build_hf, save_hf
 
 pytest.importorskip("transformers")
 
@@ -26,26 +25,11 @@ NEW_TOKENS = 24
 KINDS = ["deepseek-v2", "deepseek-v2-lite", "deepseek-v3", "deepseek-v3-yarn"]
 
 
-def pretrained(path: Path) -> ModelConfig:
-    return ModelConfig(name="checkpoint", init="pretrained", path=str(path))
 
 
-def prompt(length: int = 12, seed: int = 1) -> list[int]:
-    return torch.randint(0, SMALL["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@torch.no_grad()
-def hf_greedy(hf, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
-    """n greedy tokens from transformers, the whole sequence run again each time (no cache of its own)."""
-    ids = list(ids)
-    for _ in range(n):
-        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[-n:]
 
-
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()             # (T, V)
 
 
 @pytest.fixture(scope="module")
@@ -72,19 +56,19 @@ def test_a_deepseek_checkpoint_matches_transformers(kind, saved):
         hf_cfg.qk_nope_head_dim, hf_cfg.qk_rope_head_dim, hf_cfg.v_head_dim, hf_cfg.kv_lora_rank)
     assert cfg.q_lora_rank == (hf_cfg.q_lora_rank or 0)
     assert (cfg.rope_yarn_scaling is not None) == kind.endswith("yarn")
-    ids = prompt()
-    diff = (sequence_logits(model, ids) - hf_logits(hf, ids)).abs().max().item()
+    ids = random_prompt(12)
+    diff = (sequence_logits(model, ids) - hf_logits(hf)(ids)).abs().max().item()
     assert diff < TOL, f"{kind}: max |logit diff| {diff:.2e}"
     ours = []
     for _ in range(NEW_TOKENS):
         ours.append(int(sequence_logits(model, ids + ours)[-1].argmax()))
-    assert ours == hf_greedy(hf, ids)
+    assert ours == greedy(hf_logits(hf), ids, NEW_TOKENS)
 
 
 def test_yarn_and_the_rotary_permutation_change_the_logits(saved):
     """What the test above checks is not vacuous: without YaRN's frequencies and scales, or without
     turning the interleaved rotary rows into halves, the logits differ."""
-    ids = prompt(40)
+    ids = random_prompt(40)
     hf, directory = saved("deepseek-v3-yarn")
     yarn = load_model(pretrained(directory))
     plain = load_model(pretrained(directory))
@@ -102,15 +86,15 @@ def test_yarn_and_the_rotary_permutation_change_the_logits(saved):
     finally:
         notes["rope_interleave"] = True
         (directory / "config.json").write_text(json.dumps(notes))
-    assert (sequence_logits(unpermuted, ids) - hf_logits(hf, ids)).abs().max() > 1e-2
+    assert (sequence_logits(unpermuted, ids) - hf_logits(hf)(ids)).abs().max() > 1e-2
 
 
 def test_deepseek_v3_without_interleaved_rope_reads_its_rows_as_they_are(saved):
     hf, directory = saved("deepseek-v3", rope_interleave=False)
     model = load_model(pretrained(directory))
     assert model.checkpoint_notes["rope_interleaved"] is False
-    ids = prompt()
-    assert (sequence_logits(model, ids) - hf_logits(hf, ids)).abs().max().item() < TOL
+    ids = random_prompt(12)
+    assert (sequence_logits(model, ids) - hf_logits(hf)(ids)).abs().max().item() < TOL
 
 
 def engine_greedy(build, make_requests, model, ids: list[int], kv_cache) -> list[int]:
@@ -130,8 +114,8 @@ def test_the_engine_decodes_transformers_greedy_text_absorbed_and_explicit(kind,
     """Every decode step through the cache's latent rows: W_UK folded into the query and W_UV applied
     after attention (absorbed), or K and V up-projected for every cached token (explicit)."""
     hf, directory = saved(kind)
-    ids = prompt(seed=2)
-    expected = hf_greedy(hf, ids)
+    ids = random_prompt(12, 2)
+    expected = greedy(hf_logits(hf), ids, NEW_TOKENS)
     model = load_model(pretrained(directory))
     calls = []
     absorbed = MultiHeadLatentAttention.absorbed
@@ -301,10 +285,10 @@ def test_deepseek_experts_match_transformers(kind, shape, tmp_path, build, make_
     model = load_model(pretrained(save_hf(hf, tmp_path / kind)))
     assert isinstance(model.layers[1].mlp, DeepSeekExperts) and not isinstance(model.layers[0].mlp, DeepSeekExperts)
     assert model.config.moe_groups == (0 if shape else hf.config.n_group)
-    ids = prompt()
-    diff = (sequence_logits(model, ids) - hf_logits(hf, ids)).abs().max().item()
+    ids = random_prompt(12)
+    diff = (sequence_logits(model, ids) - hf_logits(hf)(ids)).abs().max().item()
     assert diff < TOL, f"{kind} {shape}: max |logit diff| {diff:.2e}"
-    assert engine_greedy(build, make_requests, model, ids, "contiguous") == hf_greedy(hf, ids)
+    assert engine_greedy(build, make_requests, model, ids, "contiguous") == greedy(hf_logits(hf), ids, NEW_TOKENS)
 
 
 def test_deepseek_routing_keeps_to_the_best_groups_and_v3s_bias_only_chooses():

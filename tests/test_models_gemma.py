@@ -21,7 +21,7 @@ from ablate.engine.arm import IncompatiblePlugins, check_attention_features
 from ablate.measure.quality import sequence_logits
 from ablate.model.config import ModelConfig
 from ablate.model.presets import preset
-from ablate.testing.hf_models import SMALL, build_hf, save_hf
+from ablate.testing.hf_models import greedy, hf_logits, SMALL, build_hf, save_hf
 from test_model import make_step
 
 pytest.importorskip("transformers")
@@ -31,18 +31,8 @@ NEW_TOKENS = 24
 WINDOW = 8               # the kinds' sliding_window
 
 
-def greedy(logits_fn, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(logits_fn(ids)[-1].argmax()))
-    return ids[len(prompt):]
 
 
-def hf_logits(model):
-    @torch.no_grad()
-    def run(ids: list[int]) -> torch.Tensor:
-        return model(torch.tensor([ids])).logits[0].float()        # (T, V)
-    return run
 
 
 def prompt(length: int, seed: int = 1) -> list[int]:
@@ -82,7 +72,7 @@ def test_logits_and_greedy_text_match_transformers_past_the_window(kind, pairs):
     ids = prompt(3 * WINDOW)
     diff = (sequence_logits(model, ids) - hf_logits(hf)(ids)).abs().max().item()
     assert diff < TOL, f"{kind}: max |logit diff| {diff:.2e}"
-    assert greedy(lambda t: sequence_logits(model, t), ids) == greedy(hf_logits(hf), ids)
+    assert greedy(lambda t: sequence_logits(model, t), ids, NEW_TOKENS) == greedy(hf_logits(hf), ids, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("kind", ["mistral-window", "gemma2"])
@@ -118,7 +108,7 @@ def test_the_engine_decodes_transformers_greedy_text(kind, kv_cache, attention, 
     requests = [replace(r, prompt_token_ids=tuple(p)) for r, p in zip(make_requests([24, 29], NEW_TOKENS), prompts)]
     seqs = build({"kv_cache": kv_cache, "attention": attention}, model, record=False).engine.run(requests)
     for seq, ids in zip(sorted(seqs, key=lambda s: s.request.request_id), prompts):
-        assert seq.output_token_ids == greedy(hf_logits(hf), ids)
+        assert seq.output_token_ids == greedy(hf_logits(hf), ids, NEW_TOKENS)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from ablate.checkpoints.hf import hf_model_fields
 from ablate.engine.arm import baseline_configs, resolve_arm
 from ablate.measure.quality import sequence_logits
 from ablate.model.config import ModelConfig
-from ablate.testing.hf_models import SMALL, build_hf, save_hf
+from ablate.testing.hf_models import greedy, hf_logits, pretrained, random_prompt, build_hf, save_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,21 +25,10 @@ KINDS = ["mixtral", "qwen2-moe", "qwen3-moe"]
 STRATEGIES = ["loop", "grouped"]
 
 
-def pretrained(path: Path) -> ModelConfig:
-    return ModelConfig(name="checkpoint", init="pretrained", path=str(path))
 
 
-def prompt(length: int = 16, seed: int = 1) -> list[int]:
-    return torch.randint(0, SMALL["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@torch.no_grad()
-def hf_greedy(hf, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
-    """n greedy tokens of transformers' model, the whole sequence run again each step."""
-    ids = list(ids)
-    for _ in range(n):
-        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[-n:]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +59,7 @@ def test_a_moe_checkpoint_matches_transformers_each_way_of_computing_its_experts
         assert getattr(model.config, name) == value, name
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in hf.parameters()) \
         == model.config.num_params()
-    ids = prompt()
+    ids = random_prompt(16)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0].float()                       # (T, V)
     for strategy in STRATEGIES:
@@ -90,8 +79,8 @@ def test_a_moe_checkpoint_decodes_transformers_greedy_text_with_each_strategy(ki
     """Two sequences in one batch (prefill of both, then decode steps of two tokens), each way."""
     hf, directory = checkpoints[kind]
     model = load_model(pretrained(directory))
-    prompts = [prompt(12, seed=2), prompt(7, seed=3)]
-    expected = [hf_greedy(hf, p) for p in prompts]
+    prompts = [random_prompt(12, 2), random_prompt(7, 3)]
+    expected = [greedy(hf_logits(hf), p, NEW_TOKENS) for p in prompts]
     template = make_requests([1, 1], NEW_TOKENS)
     requests = [type(r)(r.request_id, tuple(p), NEW_TOKENS, r.sampling, ()) for r, p in zip(template, prompts)]
     for strategy in STRATEGIES:
@@ -132,7 +121,7 @@ def test_transformers_fused_expert_tensors_load_alike(tmp_path):
     directory = save_hf(hf, tmp_path / "fused", sharded=False)
     _fuse_experts(directory, [0, 1], 4)
     model = load_model(pretrained(directory))
-    ids = prompt()
+    ids = random_prompt(16)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0].float()
     assert (sequence_logits(model, ids) - expected).abs().max().item() < TOL

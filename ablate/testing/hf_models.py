@@ -10,9 +10,12 @@ them repeat one token), and norms and biases away from 1 and 0, so that a mis-ma
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ablate.model.config import ModelConfig
 
 # the shape every kind starts from: two layers, four query heads over two K/V heads
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -115,6 +118,33 @@ def build_hf(kind: str, seed: int = 0, **shape: Any) -> torch.nn.Module:
     model = getattr(transformers, model_class)(config)
     randomise(model, seed)
     return model.eval()
+
+
+def pretrained(path: Path) -> ModelConfig:
+    """The config that loads the checkpoint at `path` into ablate."""
+    from ablate.model.config import ModelConfig
+    return ModelConfig(name="checkpoint", init="pretrained", path=str(path))
+
+
+def random_prompt(length: int, seed: int = 1, vocab_size: int = SMALL["vocab_size"]) -> list[int]:
+    """`length` seeded random token ids below vocab_size."""
+    return torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(seed), device="cpu").tolist()
+
+
+def greedy(logits_fn, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens: argmax of logits_fn(ids)'s last row (T, V), appended, the whole sequence run again."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(logits_fn(ids)[-1].argmax()))
+    return ids[len(prompt):]
+
+
+def hf_logits(model: torch.nn.Module):
+    """ids -> transformers' logits (T, V) in fp32, for greedy()."""
+    @torch.no_grad()
+    def run(ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor([ids], device="cpu")).logits[0].float()        # (T, V)
+    return run
 
 
 def save_hf(model: torch.nn.Module, directory: Path, sharded: bool = True) -> Path:

@@ -246,28 +246,3 @@ def test_the_cost_model_reads_the_experts_a_step_reaches():
     one, two, four, eight = (model.step([1] * n, [10] * n, n).bytes - n * 10 * model.kv_token_bytes
                              for n in (1, 2, 4, 8))
     assert two - one == 2 * expert_bytes and four - one == 6 * expert_bytes and eight == four
-
-
-def test_a_moe_gguf_is_refused_naming_its_expert_count(tmp_path):
-    """llama.cpp writes Mixtral as architecture llama with llama.expert_count: refused before any tensor."""
-    import gguf
-    import numpy as np
-
-    path = tmp_path / "mixtral.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(2)
-    writer.add_context_length(128)
-    writer.add_embedding_length(64)
-    writer.add_feed_forward_length(96)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_expert_count(4)
-    writer.add_expert_used_count(2)
-    writer.add_tensor("token_embd.weight", np.zeros((320, 64), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match=r"llama\.expert_count=4: mixture-of-experts GGUF files \(Mixtral's\) are "
-                                         r"not supported; load the model's Hugging Face checkpoint directory"):
-        load_model(pretrained(path))

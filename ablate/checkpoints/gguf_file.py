@@ -34,7 +34,7 @@ _SCALAR_FORMATS = {
 }
 
 class GGUFError(ValueError):
-    """A GGUF file that cannot be read or does not match what a Llama model needs."""
+    """A GGUF file that cannot be read or does not match what the model it declares needs."""
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,12 @@ def hf_model_fields(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[
     the weights as it reads them: Gemma's query_pre_attn_scalar, DeepSeek's interleaved RoPE).
     """
     directory = Path(directory)
-    config = read_hf_config(directory)
+    return config_fields(read_hf_config(directory), directory)
+
+
+def config_fields(config: dict[str, Any], directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """hf_model_fields of a config.json already read (or of the one a GGUF's metadata stands for:
+    ablate.checkpoints.gguf_families)."""
     model_type = config["model_type"]
     gemma = model_type in GEMMA_MODEL_TYPES        # GeGLU and more: ablate.checkpoints.gemma
     if not gemma and config.get("hidden_act", "silu") != "silu":

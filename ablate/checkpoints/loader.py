@@ -6,6 +6,7 @@ import contextlib
 import functools
 import importlib.util
 import logging
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -109,10 +110,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> LlamaMod
         fields, notes = hf_ckpt.hf_model_fields(path)
         cfg = with_checkpoint_fields(cfg, fields, path)
         weights, origin = hf_ckpt.hf_state_dict(path)
-        if notes.get("rope_interleaved"):       # DeepSeek: rotary rows to the rotate-half layout, as read
-            weights = HalfSplitRope(weights, cfg.n_heads, cfg.head_dim, cfg.rope_head_dim)
-        if notes["model_type"] in GEMMA_MODEL_TYPES:    # norms' 1 + w and the query scale, as read
-            weights = GemmaWeights(weights, notes["model_type"], cfg.head_dim, notes["query_pre_attn_scalar"])
+        weights = as_layers_take_them(weights, cfg, notes)
         try:
             model = LlamaModel.from_hf_state_dict(cfg, weights, device, source=str(path))
         except hf_ckpt.CheckpointError:     # a file or tensor that cannot be read: it names the file already
@@ -121,15 +119,27 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> LlamaMod
             raise hf_ckpt.CheckpointError(f"{e}{_stored_in(str(e), origin)}") from e
     else:
         gf = gguf_ckpt.read_gguf(path)
-        fields = gguf_ckpt.gguf_model_fields(gf)
+        fields, hf_notes = gguf_ckpt.gguf_model(gf)
         notes = {"format": "gguf", "path": str(path), "architecture": gf.architecture,
                  "name": gf.metadata.get("general.name"), "file_type": gf.metadata.get("general.file_type")}
         cfg = with_checkpoint_fields(cfg, fields, path)
         with contextlib.closing(gguf_ckpt.gguf_tensors(gf, cfg)) as weights:    # threads reading ahead: stopped
-            model = LlamaModel.from_hf_state_dict(cfg, weights, device, source=str(path))
+            model = LlamaModel.from_hf_state_dict(cfg, as_layers_take_them(weights, cfg, hf_notes), device,
+                                                  source=str(path))
     notes["context_length"] = fields["max_seq_len"]
     model.checkpoint_notes = notes        # what was read from the checkpoint, for the results record
     return model
+
+
+def as_layers_take_them(weights: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                        notes: dict[str, Any]) -> Mapping[str, torch.Tensor]:
+    """A checkpoint's Hugging Face-named tensors with what its family folds into them as they are
+    read: DeepSeek's interleaved rotary rows as halves, Gemma's norms as 1 + w and its query scale."""
+    if notes.get("rope_interleaved"):
+        weights = HalfSplitRope(weights, cfg.n_heads, cfg.head_dim, cfg.rope_head_dim)
+    if notes["model_type"] in GEMMA_MODEL_TYPES:
+        weights = GemmaWeights(weights, notes["model_type"], cfg.head_dim, notes["query_pre_attn_scalar"])
+    return weights
 
 
 def _stored_in(message: str, origin: dict[str, Path]) -> str:

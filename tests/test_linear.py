@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from ablate.model import native
 from ablate.model.presets import preset
 import ablate.model.linear as linear
+import ablate.model.path_timing as path_timing
 from ablate.model.linear import PACKABLE, Linear
 from ablate.model.llama import LlamaModel
 from ablate.model.product_paths import MKL, NATIVE, ONEDNN, PRODUCT_PATHS, row_class, row_class_name
@@ -34,14 +35,14 @@ def test_linear_matches_f_linear(rows, input_major):
     pytest.param(ONEDNN, 4, marks=pytest.mark.skipif(torch.float32 not in PACKABLE, reason="no oneDNN")),
     pytest.param(NATIVE, 1, marks=pytest.mark.skipif(not native.available(), reason="no native kernels")),
 ])
-def test_packed_weight_follows_in_place_edits(path, rows):
+def test_a_path_follows_in_place_edits_of_the_weight(path, rows):
     layer = Linear(32, 16, bias=False)
     PRODUCT_PATHS.force({row_class_name(row_class(rows)): path})
     x = torch.randn(rows, 32)
     with torch.inference_mode():
         layer(x)
     with torch.no_grad():
-        layer.weight.mul_(2.0)             # bumps the version: the packed copy is stale
+        layer.weight.mul_(2.0)             # bumps the version: a packed copy is stale
     with torch.inference_mode():
         got = layer(x)
     torch.testing.assert_close(got, F.linear(x, layer.weight.detach()), atol=1e-5, rtol=1e-5)
@@ -59,30 +60,54 @@ def test_bf16_model_keeps_row_major_weights():
     assert model.layers[0].attn.wqkv.weight.is_contiguous()
 
 
-@pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
-@pytest.mark.parametrize("faster", [MKL, ONEDNN])
-def test_the_faster_path_is_chosen_by_timing_once_and_recorded(faster, monkeypatch):
-    """Whichever path the clock says is faster runs (the same product either way), chosen once per
-    kind of product and listed by PRODUCT_PATHS.choices()."""
-    timed = []
+STREAMED_PAIRS = path_timing.candidates(torch.float32, 1, None)     # (layout, path): the order they are timed in
+
+
+def clock_favouring(pair, order, timed=None):
+    """A stand-in for path_timing.median_seconds: 0.5 s for `pair`'s turn in `order`, 1 s for the others."""
+    turn = iter(range(10_000))
 
     def fake_median(fn, repeats=7):
-        timed.append(fn)
+        if timed is not None:
+            timed.append(fn)
         fn()
-        return 1.0 if (len(timed) % 2 == 1) == (faster == ONEDNN) else 0.5   # MKL is timed first
+        return 0.5 if order[next(turn) % len(order)] == pair else 1.0
+    return fake_median
 
-    monkeypatch.setattr(linear, "_median_seconds", fake_median)
+
+@pytest.mark.parametrize("faster", STREAMED_PAIRS, ids=[f"{layout} {path}" for layout, path in STREAMED_PAIRS])
+def test_the_faster_path_and_layout_are_chosen_by_timing_once_and_recorded(faster, monkeypatch):
+    """Whichever (layout, path) the clock says is faster runs (the same product either way), chosen once
+    per kind of product, the weight held in that layout and both listed by PRODUCT_PATHS.choices()."""
+    timed = []
+    monkeypatch.setattr(path_timing, "median_seconds", clock_favouring(faster, STREAMED_PAIRS, timed))
     layer = Linear(48, 80, bias=True)
+    layer.input_major()
+    want = layer.weight.detach().clone()
     x = torch.randn(5, 48)
     with torch.inference_mode():
         for _ in range(3):
             got = layer(x)
-    torch.testing.assert_close(got, F.linear(x, layer.weight.detach(), layer.bias), atol=1e-5, rtol=1e-5)
-    assert len(timed) == 2                                   # timed once, then remembered
-    [(kind, path)] = [(k, v) for k, v in PRODUCT_PATHS.choices().items()
-                      if k not in ("native kernels", "cpu_products")]
-    assert path == faster and kind == f"80x48 float32 2-16 rows {torch.get_num_threads()} threads"
+    torch.testing.assert_close(got, F.linear(x, want, layer.bias), atol=1e-5, rtol=1e-5)
+    assert len(timed) == len(STREAMED_PAIRS)                 # timed once, then remembered
+    assert torch.equal(layer.weight, want) and linear.layout_of(layer.weight) == faster[0]
+    kinds = {k: v for k, v in PRODUCT_PATHS.choices().items() if k not in ("native kernels", "cpu_products")}
+    assert kinds == {f"80x48 float32 2-16 rows {torch.get_num_threads()} threads": faster[1],
+                     "80x48 float32 weights": faster[0]}
     assert PRODUCT_PATHS.choices()["cpu_products"] == "auto"
+    assert linear.copy_bytes(layer) == 0                     # no path of fp32 under auto keeps a copy
+
+
+def test_a_shapes_layout_is_settled_once_and_later_kinds_choose_among_its_paths(monkeypatch):
+    """The first streamed kind of a shape settles its layout; a later one (a 2-16-row verify pass after
+    one-row decode steps) is timed only on the paths that read the weights where they lie."""
+    input_major = [pair for pair in STREAMED_PAIRS if pair[0] == linear.INPUT_MAJOR]
+    monkeypatch.setattr(path_timing, "median_seconds", clock_favouring(input_major[0], STREAMED_PAIRS))
+    layers = [Linear(48, 80, bias=False) for _ in range(2)]
+    with torch.inference_mode():
+        layers[0](torch.randn(3, 48))
+    assert all(linear.layout_of(m.weight) == linear.INPUT_MAJOR for m in layers)
+    assert path_timing.candidates(torch.float32, 0, PRODUCT_PATHS.layout_for((80, 48, torch.float32))) == input_major
 
 
 def test_row_classes_separate_decode_verify_and_prefill():
@@ -90,54 +115,69 @@ def test_row_classes_separate_decode_verify_and_prefill():
         "1", "2-16", "2-16", "17-128", "17-128", "129+", "129+"]
 
 
-@pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
-@pytest.mark.parametrize("faster", [MKL, ONEDNN])
+@pytest.mark.parametrize("faster", STREAMED_PAIRS, ids=[f"{layout} {path}" for layout, path in STREAMED_PAIRS])
 def test_the_paths_are_timed_over_every_live_layer_of_the_shape(faster, monkeypatch):
     """A decode step streams each shape's weights from every layer; one weight timed again and again
     sits in the cache. The timing runs the product through all live layers of the same shape (not
-    those of another shape), and a losing oneDNN path gives back the packed copies it made. (One-row
-    products are timed over every shape at once: tests/test_numpy_blas.py.)"""
+    those of another shape), and leaves every one of them in the layout that won. (One-row products
+    are timed over every shape at once: tests/test_numpy_blas.py.)"""
     same = [Linear(48, 80, bias=False) for _ in range(3)]
     other = Linear(48, 96, bias=False)
     products = {id(m): 0 for m in [*same, other]}
-    onednn = Linear._onednn
-
-    def counted(self, x):
-        products[id(self)] += 1
-        return onednn(self, x)
-
-    monkeypatch.setattr(Linear, "_onednn", counted)
-    timings = iter([0.5, 1.0] if faster == MKL else [1.0, 0.5])     # MKL is timed first
-    monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (fn(), next(timings))[1])
+    run = Linear._run
+    monkeypatch.setattr(Linear, "_run", lambda self, *args: products.__setitem__(id(self), products[id(self)] + 1)
+                        or run(self, *args))
+    monkeypatch.setattr(path_timing, "median_seconds", clock_favouring(faster, STREAMED_PAIRS))
     x = torch.randn(4, 48)
     with torch.inference_mode():
         got = same[0](x)
     torch.testing.assert_close(got, F.linear(x, same[0].weight.detach()), atol=1e-5, rtol=1e-5)
-    assert [products[id(m)] for m in same] == [1 + (faster == ONEDNN), 1, 1] and products[id(other)] == 0
-    assert all((m._packed is None) == (faster == MKL) for m in same)
+    timed = len(STREAMED_PAIRS)
+    assert [products[id(m)] for m in same] == [timed + 1, timed, timed] and products[id(other)] == 0
+    assert all(linear.layout_of(m.weight) == faster[0] for m in same)
+    assert linear.layout_of(other.weight) == linear.ROW_MAJOR and all(m._packed is None for m in same)
 
 
-@pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
-def test_products_of_many_rows_are_timed_on_one_layer(monkeypatch):
-    """Past 16 rows a product reuses its weight across rows: timing it over every layer would only cost
-    time (minutes for a large prefill), so one layer times it."""
+def test_fp32_products_of_many_rows_take_mkl_on_the_layout_held_untimed():
+    """Past 16 rows a product reuses its weight across rows (compute-bound): MKL reads either layout
+    at its best, and no other path is worth a copy of W, so nothing is timed or copied."""
     layers = [Linear(48, 80, bias=False) for _ in range(3)]
-    calls = []
-    monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (calls.append(len(fn())), 1.0)[1])
+    layers[0].input_major()
+    timings = PRODUCT_PATHS.timings
     with torch.inference_mode():
-        layers[0](torch.randn(17, 48))
+        for m in layers:
+            m(torch.randn(17, 48))
+    assert PRODUCT_PATHS.timings == timings
+    assert PRODUCT_PATHS.choices()[f"80x48 float32 17-128 rows {torch.get_num_threads()} threads"] == MKL
+    assert linear.layout_of(layers[0].weight) == linear.INPUT_MAJOR and linear.layout_of(layers[1].weight) == linear.ROW_MAJOR
+
+
+@pytest.mark.skipif(torch.bfloat16 not in PACKABLE, reason="oneDNN cannot pack bf16 on this CPU")
+def test_bf16_products_of_many_rows_are_timed_on_one_layer(monkeypatch):
+    """bf16 times MKL against oneDNN's copy (its bf16 units read the blocked layout): past 16 rows on
+    one layer, since timing every layer would only cost time (minutes for a large prefill)."""
+    layers = [Linear(48, 80, bias=False, dtype=torch.bfloat16) for _ in range(3)]
+    calls = []
+    monkeypatch.setattr(path_timing, "median_seconds", lambda fn, repeats=7: (calls.append(len(fn())), 1.0)[1])
+    with torch.inference_mode():
+        layers[0](torch.randn(17, 48, dtype=torch.bfloat16))
     assert calls == [1, 1]
 
 
-@pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
+@pytest.mark.skipif(torch.bfloat16 not in PACKABLE, reason="oneDNN cannot pack bf16 on this CPU")
 def test_a_losing_onednn_path_keeps_the_packed_copies_other_row_classes_use(monkeypatch):
-    layers = [Linear(48, 80, bias=False) for _ in range(2)]
+    layers = [Linear(48, 80, bias=False, dtype=torch.bfloat16) for _ in range(2)]
+    threads = torch.get_num_threads()
     with torch.inference_mode():
-        layers[1]._onednn(torch.randn(20, 48))           # packed for a 17-128-row product, before any timing
-        timings = iter([0.5, 1.0])                         # MKL wins the 2-16-row timing
-        monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (fn(), next(timings))[1])
-        layers[0](torch.randn(2, 48))
-    assert layers[0]._packed is None and layers[1]._packed is not None
+        PRODUCT_PATHS.keep((80, 48, torch.bfloat16, 2, threads), ONEDNN)    # the 17-128-row products use the copies
+        layers[1]._onednn(torch.randn(20, 48, dtype=torch.bfloat16))
+        monkeypatch.setattr(path_timing, "median_seconds", clock_favouring((linear.ROW_MAJOR, MKL), [
+            (linear.ROW_MAJOR, MKL), (linear.ROW_MAJOR, ONEDNN)]))
+        layers[0](torch.randn(2, 48, dtype=torch.bfloat16))               # MKL wins the 2-16-row timing
+        assert layers[1]._packed is not None and layers[0]._packed is not None
+        PRODUCT_PATHS.reset()
+        layers[0](torch.randn(2, 48, dtype=torch.bfloat16))               # now nothing else uses them
+    assert layers[0]._packed is None and layers[1]._packed is None
 
 
 # -- forcing and forgetting the choices (PRODUCT_PATHS.force, reset) ---------------------------------
@@ -167,11 +207,11 @@ def products(model, rows: int) -> int:
 @pytest.mark.parametrize("path, rows", [
     (MKL, (1, 5, 40, 200)),
     pytest.param(ONEDNN, (1, 5, 40, 200), marks=pytest.mark.skipif(torch.float32 not in PACKABLE, reason="no oneDNN")),
-    pytest.param(NATIVE, (1,), marks=pytest.mark.skipif(not native.available(), reason="no native kernels")),
+    pytest.param(NATIVE, (1, 5), marks=pytest.mark.skipif(not native.available(), reason="no native kernels")),
 ])
 def test_a_forced_path_takes_every_product_of_a_model_untimed(path, rows, monkeypatch):
     """cpu_products=<path>: every product of a tiny random model the path can take (every row class;
-    the native kernel: one row) runs on it, the same product as F.linear, and nothing is timed."""
+    the native kernel: up to 16 rows) runs on it, the same product as F.linear, and nothing is timed."""
     model = LlamaModel.random(preset("tiny"))
     counted, timings = CountedPaths(monkeypatch), PRODUCT_PATHS.timings
     PRODUCT_PATHS.force(path)
@@ -188,7 +228,7 @@ def test_a_forced_path_takes_every_product_of_a_model_untimed(path, rows, monkey
 @pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
 def test_reset_makes_the_next_product_time_again(monkeypatch):
     layer = Linear(48, 80, bias=False)
-    monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (fn(), 1.0)[1])
+    monkeypatch.setattr(path_timing, "median_seconds", lambda fn, repeats=7: (fn(), 1.0)[1])
     x = torch.randn(5, 48)
     with torch.inference_mode():
         layer(x)
@@ -209,7 +249,7 @@ def test_reset_makes_the_next_product_time_again(monkeypatch):
 
 @pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
 def test_forcing_one_row_class_leaves_the_others_timed(monkeypatch):
-    monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (fn(), 1.0)[1])
+    monkeypatch.setattr(path_timing, "median_seconds", lambda fn, repeats=7: (fn(), 1.0)[1])
     layer = Linear(48, 80, bias=False)
     with torch.inference_mode():
         layer(torch.randn(40, 48))                           # 17-128 rows: timed
@@ -230,7 +270,8 @@ def test_forcing_one_row_class_leaves_the_others_timed(monkeypatch):
     ("fast", "cpu_products must be one of auto, mkl, onednn, numpy, native, got 'fast'"),
     ({"2-17": MKL}, "no row class '2-17': the row classes are 1, 2-16, 17-128, 129+"),
     ({"1": "blas"}, "row class 1: no path 'blas'; the paths are mkl, onednn, numpy, native"),
-    ({"2-16": NATIVE}, "row class 2-16: native takes one-row products only (row class 1)"),
+    ({"2-16": "numpy"}, "row class 2-16: numpy takes one-row products only (row class 1)"),
+    ({"17-128": NATIVE}, "row class 17-128: native takes products of up to 16 rows only (row classes 1, 2-16)"),
 ])
 def test_forcing_refuses_what_is_not_a_path_in_one_message(how, message):
     with pytest.raises(ValueError) as refused:

@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 import ablate.model.linear as linear
+import ablate.model.path_timing as path_timing
 from ablate.model import native, numpy_blas
 from ablate.model.native import build as native_build
 from ablate.model.presets import preset
-from ablate.model.linear import PACKABLE, Linear
+from ablate.model.linear import Linear
 from ablate.model.llama import LlamaModel, RMSNorm
 from ablate.model.product_paths import MKL, NATIVE, PRODUCT_PATHS
 
@@ -33,16 +34,18 @@ def unbuilt(monkeypatch, tmp_path):
 
 @needs_native
 @pytest.mark.parametrize("d_out, d_in", [(80, 48), (7, 5), (33, 100), (17, 16), (1, 1), (960, 576)])
+@pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matvec_computes_f_linear(d_out, d_in, bias, threads):
-    """Whole and partial blocks of 8 rows, inputs shorter than and not a multiple of one vector."""
+def test_matvec_computes_f_linear(d_out, d_in, rows, bias, threads):
+    """Whole and partial blocks of 8 rows of W, inputs shorter than and not a multiple of one vector,
+    one to 16 rows of input, on W as the model holds it."""
     torch.manual_seed(0)
-    w, x = torch.randn(d_out, d_in), torch.randn(1, d_in)
+    w, x = torch.randn(d_out, d_in), torch.randn(rows, d_in)
     b = torch.randn(d_out) if bias else None
-    got = native.matvec(native.pack_rows(w), x, b, d_out, threads)
-    assert got.shape == (1, d_out)
-    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    got = native.matvec(w, x, b, threads)
+    assert got.shape == (rows, d_out)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-4, rtol=1e-4)    # sums in another order
 
 
 @needs_native
@@ -248,12 +251,13 @@ def test_without_the_kernels_products_and_norms_take_torchs_paths(why, unbuilt, 
 
 
 @needs_native
-@pytest.mark.skipif(torch.float32 not in PACKABLE, reason="oneDNN cannot pack on this CPU")
-def test_where_the_kernel_wins_it_runs_every_layer_of_the_shape(fresh_product_paths, monkeypatch):
-    """The clock says native: every layer of the shape runs on it, on W packed into its layout; the
-    weights themselves are untouched, and the copies packed for oneDNN's timing are given back."""
-    costs = iter([1.0, 1.0, 0.5])           # per shape: MKL, oneDNN, then native (numpy: not offered)
-    monkeypatch.setattr(linear, "_median_seconds", lambda fn, repeats=7: (fn(), next(costs))[1])
+def test_where_the_kernel_wins_it_runs_every_layer_of_the_shape_on_the_weights_in_place(fresh_product_paths,
+                                                                                        monkeypatch):
+    """The clock says native: every layer of the shape runs on it, its weight laid out row-major in
+    place (the same values, no copy beside it)."""
+    pairs = path_timing.candidates(torch.float32, 0, None)
+    costs = iter([0.5 if pair == (linear.ROW_MAJOR, NATIVE) else 1.0 for pair in pairs])
+    monkeypatch.setattr(path_timing, "median_seconds", lambda fn, repeats=7: (fn(), next(costs))[1])
     monkeypatch.setattr(numpy_blas, "blas_threads", lambda threads: False)
     layers = [Linear(48, 80, bias=True) for _ in range(2)]
     for m in layers:
@@ -268,15 +272,16 @@ def test_where_the_kernel_wins_it_runs_every_layer_of_the_shape(fresh_product_pa
         calls.clear()
         got = layers[1](x)
     assert calls == [1]
-    assert all(torch.equal(m.weight, w) and m._packed is None and m._native_packed is not None
+    assert all(torch.equal(m.weight, w) and m.weight.is_contiguous() and m._packed is None
                for m, w in zip(layers, want))
+    assert linear.copy_bytes(layers[0]) + linear.copy_bytes(layers[1]) == 0
     assert PRODUCT_PATHS.choices()[f"80x48 float32 1 rows {torch.get_num_threads()} threads"] == NATIVE
     torch.testing.assert_close(got, F.linear(x, want[1], layers[1].bias), atol=1e-5, rtol=1e-5)
 
 
 @needs_native
 def test_a_batch_1_decode_on_the_kernels_gives_torchs_tokens(ablate_registry, fresh_product_paths, monkeypatch):
-    """Through the engine, forced (cpu_products=native): every one-token product on the native kernel
+    """Through the engine, forced (cpu_products=native): every product of up to 16 rows on the native kernel
     (and RMSNorm on its own) gives the greedy tokens of torch's paths."""
     from ablate.api.context import EngineConfig
     from ablate.api.sequence import Request
@@ -298,8 +303,9 @@ def test_a_batch_1_decode_on_the_kernels_gives_torchs_tokens(ablate_registry, fr
     kernel = native.matvec
     monkeypatch.setattr(native, "matvec", lambda *args: calls.append(1) or kernel(*args))
     assert tokens(NATIVE) == want
-    # 11 decode steps, and the prefill's logits (of its last token only: one row)
-    assert len(calls) == 11 * len([m for m in model.modules() if isinstance(m, Linear)]) + 1
+    # 11 decode steps; the 16-token prompt (16 rows: the kernel takes up to 16) through every product,
+    # the head's on its last token only
+    assert len(calls) == 12 * len([m for m in model.modules() if isinstance(m, Linear)])
 
 
 # -- paged decode attention (paged_attention.c), which attention=paged calls through ablate.api.native --
@@ -369,32 +375,34 @@ def test_without_the_kernels_paged_decode_attention_says_why():
 
 
 @needs_native
-@pytest.mark.parametrize("wrong", ["narrower input", "more outputs", "short bias", "two rows"])
+@pytest.mark.parametrize("wrong", ["narrower input", "input-major W", "short bias", "17 rows", "bf16 W"])
 def test_matvec_refuses_what_would_read_past_its_buffers(wrong):
-    """The C kernel trusts its pointers: a pack of another shape, a short bias or more than one row is a
-    ValueError before the call, never a read past the end of a buffer."""
-    w = torch.randn(24, 40)
-    packed, x, bias, d_out = native.pack_rows(w), torch.randn(1, 40), torch.randn(24), 24
+    """The C kernel trusts its pointers: a W not row-major, an input of another width, a short bias or
+    more than 16 rows is a ValueError before the call, never a read past the end of a buffer."""
+    w, x, bias = torch.randn(24, 40), torch.randn(1, 40), torch.randn(24)
     if wrong == "narrower input":
         x = torch.randn(1, 8)
-    elif wrong == "more outputs":
-        d_out = 64
+    elif wrong == "input-major W":
+        w = w.t().contiguous().t()
     elif wrong == "short bias":
         bias = torch.randn(3)
+    elif wrong == "17 rows":
+        x = torch.randn(17, 40)
     else:
-        x = torch.randn(2, 40)
-    with pytest.raises(ValueError, match="native matvec: W packed as"):
-        native.matvec(packed, x, bias, d_out, 1)
+        w = w.bfloat16()
+    with pytest.raises(ValueError, match="native matvec: W"):
+        native.matvec(w, x, bias, 1)
 
 
-def test_a_layer_repacks_when_its_weight_changes_shape_at_the_same_address():
+def test_a_layer_lays_its_weight_out_for_the_kernel_when_it_is_not():
+    """A layer made after its shape chose the native kernel holds W input-major (as loaded): the kernel
+    lays it out row-major in place first, rather than reading it wrongly."""
     from ablate.model.linear import Linear
 
-    layer = Linear(40, 24, bias=False)
-    x = torch.randn(1, 40)
     if not native.available():
         pytest.skip("no native kernels")
-    layer._native(x, 1)
-    storage = layer.weight.data
-    layer.weight.data = storage.view(-1)[: 16 * 40].view(16, 40)     # same address, same version, fewer rows
+    layer = Linear(40, 24, bias=False)
+    layer.input_major()
+    x = torch.randn(1, 40)
     torch.testing.assert_close(layer._native(x, 1), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+    assert layer.weight.is_contiguous()

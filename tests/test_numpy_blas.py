@@ -1,11 +1,12 @@
 """One-row products on numpy's BLAS (ablate/model/linear.py, ablate/model/numpy_blas.py): chosen by
-timing every shape at once, on the faster layout, and run in steps that lend numpy the cores
+timing every shape at once, on the layout they are fastest on (the weights laid out so, in place), and run in steps that lend numpy the cores
 (PRODUCT_PATHS.one_row_step)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ablate.model.linear as linear
+import ablate.model.path_timing as path_timing
 from ablate.model import native, numpy_blas
 from ablate.model.linear import PACKABLE, Linear
 from ablate.model.product_paths import MKL, NUMPY, PRODUCT_PATHS
@@ -19,33 +20,27 @@ pytestmark = [       # the tests run torch on one thread (conftest.py): numpy's 
 
 @pytest.fixture
 def clock(monkeypatch):
-    """A fake clock: each timing costs what `costs` says for the path it ran (mkl, onednn,
-    numpy-stored, numpy-rows, native: slowest unless a test says otherwise); `products` counts the
-    products run on each path."""
-    costs, ran, products = {"native": 10.0}, [], {}
-    onednn, numpy, matvec = Linear._onednn, Linear._numpy, native.matvec
+    """A fake clock: each timing costs what `costs` says for the path and layout it ran (mkl-row-major,
+    mkl-input-major, numpy-row-major, numpy-input-major, native: slowest unless a test says
+    otherwise); `products` counts the products run on each."""
+    costs, ran, products = {}, [], {}
+    run = Linear._run
 
-    def count(name: str) -> None:
+    def counted(self, path, x, threads):
+        name = path if path == "native" else f"{path}-{linear.layout_of(self.weight)}"
         ran.append(name)
         products[name] = products.get(name, 0) + 1
+        return run(self, path, x, threads)
 
-    def counted(path, method):
-        def run(self, x):
-            count(path(self))
-            return method(self, x)
-        return run
-
-    monkeypatch.setattr(Linear, "_onednn", counted(lambda self: "onednn", onednn))
-    monkeypatch.setattr(Linear, "_numpy", counted(lambda self: "numpy-rows" if self._numpy_rows else "numpy-stored", numpy))
-    monkeypatch.setattr(native, "matvec", lambda *args: count("native") or matvec(*args))
+    monkeypatch.setattr(Linear, "_run", counted)
 
     def median(fn, repeats=7):
         ran.clear()
         fn()
-        return costs[ran[0] if ran else "mkl"]
+        return costs.get(ran[0], 10.0)
 
-    monkeypatch.setattr(linear, "_median_seconds", median)
-    monkeypatch.setattr(linear.time, "sleep", lambda s: None)
+    monkeypatch.setattr(path_timing, "median_seconds", median)
+    monkeypatch.setattr(path_timing.time, "sleep", lambda s: None)
     return costs, products
 
 
@@ -55,73 +50,73 @@ def layers_of_two_shapes():
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("row_major", [False, True])
 @pytest.mark.parametrize("input_major", [False, True])
-def test_the_numpy_path_computes_f_linear(rows, row_major, input_major):
+def test_the_numpy_path_computes_f_linear_on_the_weight_in_place(rows, input_major):
     layer = Linear(48, 80, bias=True)
     if input_major:
         layer.input_major()
-    layer._numpy_rows = row_major
     x = torch.randn(rows, 48)
     with torch.inference_mode():
         got = layer._numpy(x)
     torch.testing.assert_close(got, F.linear(x, layer.weight.detach(), layer.bias), atol=1e-5, rtol=1e-5)
-    on_weight = torch.from_numpy(layer._numpy_wt).data_ptr() == layer.weight.data_ptr()
-    assert on_weight == (not (row_major and input_major))      # a copy only where the layout differs
+    assert torch.from_numpy(layer._numpy_wt).data_ptr() == layer.weight.data_ptr()     # a view, not a copy
 
 
 def test_numpy_wins_every_one_row_product_when_its_total_is_faster(clock):
-    """numpy faster in total (though slower than oneDNN on one shape): every one-row product of a
-    step goes to it, on each shape's faster layout; outside such a step torch's choices stand."""
+    """numpy faster in total (though slower than MKL on one layout): every one-row product of a step
+    goes to it, each shape held in the layout numpy was fastest on; outside such a step torch's
+    fastest path on that layout runs."""
     costs, products = clock
-    costs.update({"mkl": 1.0, "onednn": 0.5, "numpy-stored": 0.4, "numpy-rows": 0.45})
+    costs.update({"mkl-row-major": 1.0, "mkl-input-major": 0.5, "numpy-row-major": 0.45, "numpy-input-major": 0.4})
     layers = layers_of_two_shapes()
     threads = torch.get_num_threads()
     x = torch.randn(1, 48)
     with torch.inference_mode():
         layers[0](x)                               # the first one-row product: every shape is timed
         assert PRODUCT_PATHS.lends_one_row(torch.float32, threads)
-        assert PRODUCT_PATHS.choices() == {f"80x48 float32 1 rows {threads} threads": "onednn",
-                                           f"48x80 float32 1 rows {threads} threads": "onednn",
+        assert PRODUCT_PATHS.choices() == {f"80x48 float32 1 rows {threads} threads": "mkl",
+                                           f"48x80 float32 1 rows {threads} threads": "mkl",
+                                           "80x48 float32 weights": "input-major",
+                                           "48x80 float32 weights": "input-major",
                                            f"one-row steps float32 {threads} threads": "numpy",
                                            "native kernels": native.unavailable_reason() or "built",
                                            "cpu_products": "auto"}
+        assert all(linear.layout_of(m.weight) == "input-major" for m in layers)
         products.clear()
         with PRODUCT_PATHS.one_row_step(1, layers[0].weight):
             assert torch.get_num_threads() == 1    # torch's own operations on the calling thread
             got = layers[2](layers[0](x))
         assert torch.get_num_threads() == threads
-        assert products == {"numpy-stored": 2}
+        assert products == {}                      # lent: straight to numpy, not through _run
         torch.testing.assert_close(got, F.linear(F.linear(x, layers[0].weight, layers[0].bias), layers[2].weight),
                                    atol=1e-5, rtol=1e-5)
-        products.clear()
         with PRODUCT_PATHS.one_row_step(4, layers[0].weight):   # not a one-row step: nothing lent
             assert torch.get_num_threads() == threads
         layers[0](x)                               # a one-row product outside such a step: torch's path
-        assert products == {"onednn": 1}
+        assert products == {"mkl-input-major": 1}
 
 
 def test_torch_keeps_one_row_products_when_numpy_is_slower_in_total(clock):
     costs, products = clock
-    costs.update({"mkl": 1.0, "onednn": 0.3, "numpy-stored": 0.4, "numpy-rows": 0.5})
+    costs.update({"mkl-row-major": 1.0, "mkl-input-major": 0.3, "numpy-row-major": 0.5, "numpy-input-major": 0.4})
     layers = layers_of_two_shapes()
     with torch.inference_mode():
         layers[0](torch.randn(1, 48))
         assert not PRODUCT_PATHS.lends_one_row(torch.float32, torch.get_num_threads())
-        assert all(m._numpy_wt is None for m in layers)         # numpy's arrays given back
-        assert all(m._native_packed is None for m in layers)    # and the losing native kernel's copies
+        assert linear.copy_bytes(layers[0]) == 0 and all(m._packed is None for m in layers)
         threads = torch.get_num_threads()
         with PRODUCT_PATHS.one_row_step(1, layers[0].weight):
             assert torch.get_num_threads() == threads
             products.clear()
             layers[0](torch.randn(1, 48))
-        assert products == {"onednn": 1}
+        assert products == {"mkl-input-major": 1}
 
 
-def test_numpy_keeps_the_faster_layout(clock):
-    """A row-major copy where it wins (a copy: it does not share W's memory), W as stored where that wins."""
+def test_numpy_keeps_the_layout_it_is_fastest_on_with_no_copy(clock):
+    """Where numpy is fastest on row-major W, the weights themselves are laid out so (in place: numpy's
+    array is a view of the weight, not a copy beside it)."""
     costs, _ = clock
-    costs.update({"mkl": 1.0, "onednn": 1.0, "numpy-stored": 0.5, "numpy-rows": 0.2})
+    costs.update({"mkl-row-major": 1.0, "mkl-input-major": 1.0, "numpy-input-major": 0.5, "numpy-row-major": 0.2})
     layers = layers_of_two_shapes()
     for m in layers:
         m.input_major()
@@ -129,14 +124,14 @@ def test_numpy_keeps_the_faster_layout(clock):
         layers[0](torch.randn(1, 48))
         with PRODUCT_PATHS.one_row_step(1, layers[0].weight):
             layers[0](torch.randn(1, 48))
-    assert layers[0]._numpy_rows and layers[2]._numpy_rows
-    assert torch.from_numpy(layers[0]._numpy_wt).data_ptr() != layers[0].weight.data_ptr()   # the copy
+    assert all(m.weight.is_contiguous() for m in layers)
+    assert torch.from_numpy(layers[0]._numpy_wt).data_ptr() == layers[0].weight.data_ptr()
 
 
 def test_no_numpy_without_a_blas_to_bind(clock, monkeypatch):
     """Without threadpoolctl (or a BLAS it knows) numpy's thread count cannot follow torch's: not timed."""
     costs, products = clock
-    costs.update({"mkl": 1.0, "onednn": 1.0, "numpy-stored": 0.1, "numpy-rows": 0.1})
+    costs.update({"mkl-row-major": 1.0, "mkl-input-major": 1.0, "numpy-row-major": 0.1, "numpy-input-major": 0.1})
     monkeypatch.setattr(numpy_blas, "_blas", False)
     layers = layers_of_two_shapes()
     with torch.inference_mode():

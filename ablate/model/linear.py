@@ -1,59 +1,65 @@
-"""nn.Linear whose CPU products each take the path chosen for their kind: timed once, or forced.
+"""nn.Linear whose CPU products each take the path chosen for their kind, on the weight where it lies.
 
-The paths: MKL through F.linear; oneDNN on W reordered once into its blocked layout (what Inductor's
-CPU "freezing" does, done here eagerly); for one fp32 row, ablate's matrix-vector kernel on W packed
-into its own layout (ablate/model/native/steps.c); and numpy's BLAS, for the products of a step
-whose rows are all one (ablate/model/numpy_blas.py). Which is fastest depends on the machine and the
-shape, so none is fixed in the code.
+The paths: MKL through F.linear; ablate's matrix-vector kernel for up to 16 fp32 rows
+(ablate/model/native/steps.c); numpy's BLAS, for the products of a step whose rows are all one
+(ablate/model/numpy_blas.py); and oneDNN on W reordered into its blocked layout. Which is fastest
+depends on the machine and the shape, so none is fixed in the code.
 
-Keyed by what: one path per kind of product, (d_out, d_in, dtype, row class, torch threads). The row
-classes are 1 row (a decode step at batch 1), 2-16 (a verify pass, a small decode batch), 17-128 and
-more (prefills): a pass of 2 rows must not inherit the path timed on a 256-row prefill. The choices
-are held by PRODUCT_PATHS (ablate/model/product_paths.py), with what is forced.
+One copy of the weights: each path but oneDNN reads W where the model holds it, and the weight itself
+is laid out for the path chosen: row-major (d_out, d_in), or input-major (the same values with W^T
+contiguous, which MKL's gemv streams fastest on some machines). A change of layout is made in place,
+one layer at a time, so the model never holds W twice. oneDNN's blocked layout is a copy beside W, so
+it is timed only for bf16, whose products need it to reach the CPU's bf16 units; for fp32 it runs only
+when forced (copy_bytes counts it; every run's weight_copy_bytes column shows it).
 
-When, and what is timed: the first product of a kind times every path that can take it (two
-warm-ups, then the median of 7 runs) and keeps the fastest for the process, unless the config's
-`cpu_products` forces a path for its row class (then nothing is timed).
+Keyed by what: one path per kind of product, (d_out, d_in, dtype, row class, torch threads), and one
+layout per (d_out, d_in, dtype). The row classes are 1 row (a decode step at batch 1), 2-16 (a
+verify pass, a small decode batch), 17-128 and more (prefills): a pass of 2 rows must not inherit the
+path timed on a 256-row prefill. The choices are held by PRODUCT_PATHS (ablate/model/product_paths.py),
+with what is forced.
+
+When, and what is timed: the first product of a kind times every path that can take it (two warm-ups,
+then the median of 7 runs) and keeps the fastest for the process, unless the config's `cpu_products`
+forces a path for its row class (then nothing is timed).
 - Up to 16 rows (STREAMED_CLASS) a product is bound by reading W: it is timed over every live layer
   of its shape (up to MAX_TIMED_LAYERS), one after another, as a step streams them from memory; one
-  weight run again and again would sit in the cache, where the ranking can flip. Past 16 rows a
-  product reuses W across its rows (compute-bound): one layer times it.
-- One-row products are chosen for every live shape at once (_choose_one_row): numpy's BLAS runs on a
+  weight run again and again would sit in the cache, where the ranking can flip. The first such
+  kind of a shape times both layouts and settles the shape's layout; later kinds choose among the
+  paths that read it.
+- Past 16 rows a product reuses W across its rows (compute-bound): fp32 takes MKL on the layout held,
+  untimed; bf16 times MKL against oneDNN on one layer.
+- One-row products are chosen for every live shape at once (choose_one_row): numpy's BLAS runs on a
   thread pool of its own, which cannot share a step with torch's, so either every product of a
   one-row step goes to numpy (the step lends it the cores: ProductPaths.one_row_step), or each takes
-  the fastest of MKL, oneDNN and the native kernel. The totals decide; numpy is timed as it would
-  run (torch on one thread), on the faster of two layouts of W (as stored, or a row-major copy).
-A path that loses gives back the weight copies packed for its timing.
+  the fastest of torch's paths. The totals decide; numpy is timed as it would run (torch on one
+  thread), on both layouts.
+A oneDNN path that loses gives back the copies packed for its timing.
 
-What is recorded: PRODUCT_PATHS.choices() lists every kind's path, whether one-row steps go to
-numpy, the native kernels' state and `cpu_products`; every run writes it to environment.json
-(`linear_paths`), and each arm's row in runs.csv counts the timings that ran inside it
-(`path_timings`: a timing inside a timed round is in that round's time).
+What is recorded: PRODUCT_PATHS.choices() lists every kind's path, every shape's layout, whether
+one-row steps go to numpy, the native kernels' state and `cpu_products`; every run writes it to
+environment.json (`linear_paths`), and each arm's row in runs.csv counts the timings that ran inside
+it (`path_timings`: a timing inside a timed round is in that round's time).
 
-Layouts: one token is a matrix-vector product, and MKL's gemv streams W fastest when each input's row
-of W^T is contiguous, so `input_major()` stores fp32 W as the transpose of a contiguous (d_in, d_out)
-tensor (the same values, the strides swapped); bf16 W stays row-major (PyTorch's bf16 products on a
-CPU without native bf16 are much slower on the transposed layout). The packed copies (oneDNN's, the
-native kernel's, numpy's row-major one) are made on first use and remade whenever the weight changes
-(a new tensor, or an in-place edit that bumps its version), so model variants that rewrite weights
-stay correct. Each costs a copy of the weights in memory (copy_bytes, in every run's peak memory),
-kept only for the paths chosen. GPU tensors, dtypes oneDNN cannot pack on this CPU (bf16 without
-AVX-512 or AVX-NE-CONVERT) and cpu_products=mkl use plain F.linear.
+Before any choice, fp32 weights are input-major (`input_major()`, at load) and bf16 weights row-major
+(PyTorch's bf16 products on a CPU without native bf16 are much slower on the transposed layout). A
+oneDNN copy is made on first use and remade whenever the weight changes (a new tensor, or an in-place
+edit that bumps its version), so model variants that rewrite weights stay correct. GPU tensors, and
+dtypes oneDNN cannot pack on this CPU (bf16 without AVX-512 or AVX-NE-CONVERT), use plain F.linear.
 
 What each path measured, on which machines: docs/cpu-products.md.
 """
 from __future__ import annotations
-
-import statistics
-import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ablate.model import native, numpy_blas
-from ablate.model.product_paths import MKL, NATIVE, ONEDNN, PRODUCT_PATHS, row_class
+from ablate.model import native
+from ablate.model.path_timing import (ONEDNN_TIMED, candidates, choose_one_row, layout_of, native_takes, settle,
+                                      time_layouts)
+from ablate.model.product_paths import (INPUT_MAJOR, MKL, NATIVE, NUMPY, ONEDNN, PRODUCT_PATHS, ROW_MAJOR,
+                                        STREAMED_CLASS, row_class)
 
 
 def _packable_dtypes() -> tuple[torch.dtype, ...]:
@@ -67,29 +73,13 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
 
 PACKABLE = _packable_dtypes()
 MAX_TIMED_LAYERS = 64            # the most layers of one shape a path is timed over
-STREAMED_CLASS = 1               # row classes up to this one (<= 16 rows) are bound by reading W
 
 
 def copy_bytes(model: nn.Module) -> int:
-    """Bytes of the weight copies `model`'s products keep beside the weights (the packed layouts of
-    oneDNN and the native kernel, numpy's row-major copies): memory the model holds as it runs."""
-    total = 0
-    for m in model.modules():
-        if isinstance(m, Linear):
-            total += sum(c.numel() * c.element_size() for c in (m._packed, m._native_packed) if c is not None)
-            total += m._numpy_wt.nbytes if m._numpy_wt is not None and m._numpy_rows else 0
-    return total
-
-
-def _median_seconds(fn, repeats: int = 7) -> float:
-    fn()
-    fn()                       # warm-up: the packed copy, the caches
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Bytes of the weight copies `model`'s products keep beside the weights (oneDNN's blocked
+    layouts): memory the model holds as it runs. Every other path reads the weights in place."""
+    return sum(m._packed.numel() * m._packed.element_size() for m in model.modules()
+               if isinstance(m, Linear) and m._packed is not None)
 
 
 def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
@@ -98,26 +88,33 @@ def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
 
 
 class Linear(nn.Linear):
-    """y = x W^T + b; on the CPU through MKL, a oneDNN-packed W, numpy's BLAS or the native kernel,
-    whichever is fastest here or forced (see the module docstring)."""
+    """y = x W^T + b; on the CPU through MKL, the native kernel, numpy's BLAS or a oneDNN-packed W,
+    whichever is fastest here or forced, on W laid out for it (see the module docstring)."""
 
     _packed: torch.Tensor | None = None
     _packed_key: tuple[int, int] | None = None
     _numpy_wt: np.ndarray | None = None
     _numpy_key: tuple[int, int] | None = None
-    _numpy_rows = False        # numpy's products on a row-major copy of W (_numpy_layout)
-    _native_packed: torch.Tensor | None = None
-    _native_key: tuple[int, int] | None = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         PRODUCT_PATHS.add_layer(self)
 
+    def lay_out(self, layout: str) -> None:
+        """Hold W row-major or input-major, in place: the same Parameter, values and shape; the old
+        storage goes as the new one is made (one layer's worth of memory, for a moment)."""
+        w = self.weight.data
+        if layout_of(w) == layout:
+            return
+        # outside inference mode: a weight made inside it would be an inference tensor, which autograd
+        # refuses wherever the model is used outside it afterwards
+        with torch.inference_mode(False), torch.no_grad():
+            self.weight.data = w.contiguous() if layout == ROW_MAJOR else w.t().contiguous().t()
+        self._numpy_wt = self._numpy_key = None     # a view of the old storage would keep it alive
+
     def input_major(self) -> None:
         """Lay W out as W^T contiguous (see the module docstring); values and shape unchanged."""
-        if self.weight.is_contiguous():
-            with torch.no_grad():
-                self.weight.data = self.weight.data.t().contiguous().t()    # (d_out, d_in), strides (1, d_out)
+        self.lay_out(INPUT_MAJOR)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _eager_forward is not None and torch.compiler.is_compiling():
@@ -136,25 +133,35 @@ class Linear(nn.Linear):
         threads = lent or torch.get_num_threads()
         key = (*w.shape, w.dtype, row_class(x.numel() // x.shape[-1]), threads)
         path = PRODUCT_PATHS.path_for(key) or self._choose(key, x)
+        return self._run(path, x, threads)
+
+    def _run(self, path: str, x: torch.Tensor, threads: int) -> torch.Tensor:
         if path == NATIVE:
             return self._native(x, threads)
-        return F.linear(x, w, self.bias) if path == MKL else self._onednn(x)
+        if path == ONEDNN:
+            return self._onednn(x)
+        if path == NUMPY:
+            return self._numpy(x)
+        return F.linear(x, self.weight, self.bias)
 
     def _choose(self, key: tuple, x: torch.Tensor) -> str:
         """The path for the first product of its kind (`key`): the forced one where it takes the product,
-        else the fastest, timed now (one-row products: every live shape's at once, _choose_one_row)."""
+        else the fastest, timed now (one-row products: every live shape's at once, choose_one_row)."""
         dtype, rows, threads = key[2:]
         forced = PRODUCT_PATHS.forced_path(rows)
-        if forced in (MKL, ONEDNN) or (forced == NATIVE and dtype == torch.float32 and native.available()):
+        if forced in (MKL, ONEDNN) or (forced == NATIVE and native_takes(dtype, rows)):
             path = forced
         else:
             if rows == 0 and not PRODUCT_PATHS.one_row_known(dtype, threads):
-                _choose_one_row(dtype, threads)
-            path = PRODUCT_PATHS.path_for(key) or self._faster_path(x, streamed=rows <= STREAMED_CLASS)
+                choose_one_row(dtype, threads)
+            path = PRODUCT_PATHS.path_for(key) or self._faster_path(x, rows)
         PRODUCT_PATHS.keep(key, path)
         if rows == 0 and forced is not None:               # recorded: no timing decided it
             PRODUCT_PATHS.keep_one_row(dtype, threads, PRODUCT_PATHS.lends_one_row(dtype, threads))
         return path
+
+    def _shape_key(self) -> tuple:
+        return (*self.weight.shape, self.weight.dtype)
 
     def _same_shape(self) -> list[Linear]:
         """This layer and every other live one of its shape, dtype, device and bias (up to MAX_TIMED_LAYERS)."""
@@ -163,28 +170,36 @@ class Linear(nn.Linear):
                          and m.weight.dtype == w.dtype and m.weight.device == w.device
                          and (m.bias is None) == (self.bias is None)][:MAX_TIMED_LAYERS - 1]
 
-    def _faster_path(self, x: torch.Tensor, streamed: bool) -> str:
-        """The fastest path for `x` (_time_paths): through every live layer shaped like this one when the
-        product streams W (`streamed`), else through this one (the module docstring)."""
-        return _time_paths(self._same_shape() if streamed else [self], x)[0]
+    def _faster_path(self, x: torch.Tensor, rows: int) -> str:
+        """The fastest path for `x`: timed through every live layer shaped like this one when the
+        product streams W, settling the shape's layout (time_layouts); past STREAMED_CLASS, MKL on
+        the layout held (fp32) or the faster of MKL and oneDNN on this layer (bf16)."""
+        dtype = self.weight.dtype
+        if rows <= STREAMED_CLASS:
+            layers = self._same_shape()
+            seconds = time_layouts(layers, x, candidates(dtype, rows, PRODUCT_PATHS.layout_for(self._shape_key())))
+            return settle(layers, seconds)[1]
+        if dtype not in ONEDNN_TIMED:
+            return MKL
+        return settle([self], time_layouts([self], x, [(ROW_MAJOR, MKL), (ROW_MAJOR, ONEDNN)]),
+                       layout_too=False)[1]
 
     def _numpy(self, x: torch.Tensor) -> torch.Tensor:
-        """y = x W^T + b through numpy's BLAS, on W as stored or on a row-major copy (_numpy_layout)."""
+        """y = x W^T + b through numpy's BLAS, on W as it lies (a view, not a copy)."""
         key = _weight_key(self.weight)
         if key != self._numpy_key:
-            w = self.weight.detach()
-            self._numpy_wt = (w.contiguous() if self._numpy_rows else w).numpy().T     # (d_in, d_out)
+            self._numpy_wt = self.weight.detach().numpy().T        # (d_in, d_out)
             self._numpy_key = key
         y = torch.from_numpy(x.reshape(-1, x.shape[-1]).numpy() @ self._numpy_wt)    # (T, d_out)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y.add_(self.bias)
 
     def _native(self, x: torch.Tensor, threads: int) -> torch.Tensor:
-        """One row through the native kernel, on W packed into its layout (native.pack_rows)."""
-        key = (*_weight_key(self.weight), *self.weight.shape)       # a new weight at a freed one's address
-        if key != self._native_key:
-            self._native_packed, self._native_key = native.pack_rows(self.weight), key
-        return native.matvec(self._native_packed, x, self.bias, self.weight.shape[0], threads)
+        """A few rows through the native kernel, which reads W row-major (a layer made after its shape's
+        layout was settled is laid out now)."""
+        if not self.weight.is_contiguous():
+            self.lay_out(ROW_MAJOR)
+        return native.matvec(self.weight, x, self.bias, threads)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -193,68 +208,6 @@ class Linear(nn.Linear):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)   # blocked
             self._packed_key = key
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-
-
-def _time_paths(layers: list[Linear], x: torch.Tensor) -> tuple[str, float]:
-    """The fastest path for `x` through `layers`, and its time: MKL, oneDNN, or for one fp32 row the
-    native kernel. A losing oneDNN or native kernel gives back the copies packed for its timing."""
-    PRODUCT_PATHS.timed()
-    packed_before = {id(m) for m in layers if m._packed is not None}
-    seconds = {MKL: _median_seconds(lambda: [F.linear(x, m.weight, m.bias) for m in layers]),
-               ONEDNN: _median_seconds(lambda: [m._onednn(x) for m in layers])}
-    if x.numel() == x.shape[-1] and x.dtype == torch.float32 and native.available():
-        threads = torch.get_num_threads()
-        seconds[NATIVE] = _median_seconds(lambda: [m._native(x, threads) for m in layers])
-    path = min(seconds, key=seconds.get)
-    for m in layers:
-        if path != ONEDNN and id(m) not in packed_before:
-            m._packed = m._packed_key = None
-        if path != NATIVE:
-            m._native_packed = m._native_key = None
-    return path, seconds[path]
-
-
-def _choose_one_row(dtype: torch.dtype, threads: int) -> None:
-    """Every live shape's one-row path, timed together: numpy's BLAS for all of them (a one-row step
-    then lends it the cores: ablate/model/numpy_blas.py), or each the fastest of MKL, oneDNN and the
-    native kernel. The two cannot mix in one step, so the totals decide; numpy is timed as it would
-    run, with torch on one thread."""
-    shapes = {}                # one layer per shape: the timing runs through every live layer of it
-    for m in PRODUCT_PATHS.layers():
-        if m.weight.device.type == "cpu" and m.weight.dtype == dtype:
-            shapes.setdefault((*m.weight.shape, m.bias is None), m)
-    inputs = {layer: torch.randn(1, layer.in_features, dtype=dtype, device="cpu") for layer in shapes.values()}
-    timed = {layer: _time_paths(layer._same_shape(), x) for layer, x in inputs.items()}
-    on_numpy = False
-    if dtype == torch.float32 and numpy_blas.blas_threads(threads):
-        time.sleep(0.01)       # torch's idle workers spin a while after their last parallel region
-        with numpy_blas.torch_threads(1):
-            numpy_seconds = sum(_numpy_layout(layer._same_shape(), x) for layer, x in inputs.items())
-        on_numpy = numpy_seconds < sum(seconds for _, seconds in timed.values())
-    PRODUCT_PATHS.keep_one_row(dtype, threads, on_numpy)
-    for layer, (path, _) in timed.items():      # torch's path: for one-row products outside such a step
-        PRODUCT_PATHS.keep((*layer.weight.shape, dtype, 0, threads), path)
-        if not on_numpy:
-            for m in layer._same_shape():
-                m._numpy_wt = m._numpy_key = None
-
-
-def _numpy_layout(layers: list[Linear], x: torch.Tensor) -> float:
-    """numpy's time for `x` through `layers` on the faster of two layouts of W, which the layers keep:
-    W^T as stored (no copy), or a row-major copy: OpenBLAS's kernels for the two differ by shape
-    (docs/cpu-products.md)."""
-    def lay_out(rows: bool) -> None:
-        for m in layers:
-            m._numpy_rows, m._numpy_key = rows, None          # made again at the next product
-
-    def seconds(rows: bool) -> float:
-        lay_out(rows)
-        return _median_seconds(lambda: [m._numpy(x) for m in layers])
-
-    as_stored, row_major = seconds(False), seconds(True)
-    if as_stored <= row_major:
-        lay_out(False)         # the copies go
-    return min(as_stored, row_major)
 
 
 # Linear._forward kept out of torch.compile; made on first use (products_stay_eager): importing

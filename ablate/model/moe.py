@@ -25,7 +25,7 @@ T k (token, expert) slots are sorted by expert; then, by `engine.moe_experts`:
 Both compute each slot's output on its own, then sum a token's k slots in rank order, so the two
 differ only in how each product is blocked: logits agree to rounding and greedy text is the same.
 The expert products go to torch (F.linear, grouped_mm), not to ablate.model.linear's timed CPU
-paths, whose packed copies are per 2-D weight; the router and the shared expert are Linear.
+paths, whose layouts are chosen per 2-D weight; the router and the shared expert are Linear.
 """
 from __future__ import annotations
 

@@ -2,10 +2,11 @@
 
 A product of Linear (ablate/model/linear.py) on the CPU runs on one of four paths: MKL through
 F.linear, oneDNN on a weight packed into its blocked layout, numpy's BLAS (one-row steps lent to it:
-ablate/model/numpy_blas.py) or ablate's native matrix-vector kernel (one fp32 row:
+ablate/model/numpy_blas.py) or ablate's native matrix-vector kernel (up to 16 fp32 rows:
 ablate/model/native/). Which one is a choice per kind of product, keyed by (d_out, d_in, dtype, row
-class, torch threads), made by the first product of that kind: timed (linear.py) unless forced. The
-object holds every piece of that state:
+class, torch threads), made by the first product of that kind: timed (linear.py) unless forced; and
+the layout the weights of a shape are held in (row-major or input-major), settled with the first
+streamed kind of that shape. The object holds every piece of that state:
 
 - the choices made so far, listed for the results by `choices()` (environment.json's `linear_paths`);
 - whether one-row steps lend their products to numpy's BLAS, per (dtype, threads), and the threads
@@ -35,7 +36,10 @@ PATHS = (MKL, ONEDNN, NUMPY, NATIVE)
 TORCH_PATHS = (MKL, ONEDNN, NATIVE)          # what one product can run on inside torch's thread pool
 SETTINGS = ("auto", *PATHS)                  # the config's cpu_products
 ROW_CLASSES = (1, 16, 128)                   # upper bounds: 1 row, 2-16, 17-128, more
-ONE_ROW_PATHS = (NUMPY, NATIVE)              # paths of one-row products only
+STREAMED_CLASS = 1                           # row classes up to this one (<= 16 rows) are bound by reading W
+ONE_ROW_PATHS = (NUMPY,)                     # paths of one-row products only
+STREAMED_PATHS = (NATIVE,)                   # paths of products of up to 16 rows only
+ROW_MAJOR, INPUT_MAJOR = "row-major", "input-major"   # how a weight is held: W, or W^T, contiguous
 
 
 def row_class(rows: int) -> int:
@@ -64,6 +68,7 @@ def _name(dtype: torch.dtype) -> str:
 class Snapshot:
     """The whole state of a ProductPaths at one moment (ProductPaths.snapshot)."""
     paths: dict
+    layouts: dict
     one_row: dict
     forced: dict
     setting: str
@@ -75,6 +80,7 @@ class ProductPaths:
 
     def __init__(self) -> None:
         self._paths: dict[tuple, str] = {}                  # (d_out, d_in, dtype, row class, threads) -> path
+        self._layouts: dict[tuple, str] = {}                # (d_out, d_in, dtype) -> ROW_MAJOR | INPUT_MAJOR
         self._one_row: dict[tuple[torch.dtype, int], bool] = {}   # (dtype, threads) -> one-row steps on numpy
         self._forced: dict[int, str] = {}                   # row class -> the path forced for it
         self._setting = "auto"                              # what force() was given, as the results say it
@@ -87,13 +93,15 @@ class ProductPaths:
 
     def choices(self) -> dict[str, str]:
         """The paths chosen in this process, for the results: "d_out x d_in dtype R rows threads" ->
-        path, whether one-row steps lend their products to numpy's BLAS, the native kernels' state
+        path, "d_out x d_in dtype weights" -> the layout they are held in, whether one-row steps lend their products to numpy's BLAS, the native kernels' state
         (built, not asked for, or why they are unavailable) and what was forced (cpu_products)."""
         paths = {f"{o}x{i} {_name(dtype)} {row_class_name(rows)} rows {threads} threads": path
                  for (o, i, dtype, rows, threads), path in sorted(self._paths.items(), key=str)}
+        layouts = {f"{o}x{i} {_name(dtype)} weights": layout
+                   for (o, i, dtype), layout in sorted(self._layouts.items(), key=str)}
         steps = {f"one-row steps {_name(dtype)} {threads} threads": NUMPY if on else "torch"
                  for (dtype, threads), on in sorted(self._one_row.items(), key=str)}
-        return paths | steps | {"native kernels": self.native.state(), "cpu_products": self._setting}
+        return paths | layouts | steps | {"native kernels": self.native.state(), "cpu_products": self._setting}
 
     @property
     def setting(self) -> str:
@@ -102,7 +110,8 @@ class ProductPaths:
 
     def force(self, how: str | Mapping[str, str] | None) -> None:
         """Force products onto a path: `how` is "auto" (or None: every kind timed), a path (every
-        product it can take: mkl and onednn every row class, numpy and native one-row products), or
+        product it can take: mkl and onednn every row class, numpy one-row products, native products of
+        up to 16 rows), or
         {row class name: path} ({"1": "native", "2-16": "onednn"}; classes not named are timed). A
         forced path takes the products it can run (oneDNN: a dtype it packs; native: fp32; numpy: fp32
         one-row steps); the others are timed as under auto. The choices the change affects are
@@ -129,6 +138,7 @@ class ProductPaths:
         process. With `layers`, also stop timing over the layers alive now (a test's timings then run
         over the layers it makes only). The count of timings runs on."""
         self._paths.clear()
+        self._layouts.clear()
         self._one_row.clear()
         self._forced, self._setting = {}, "auto"
         if layers:
@@ -141,11 +151,11 @@ class ProductPaths:
 
     def snapshot(self) -> Snapshot:
         """The choices, what is forced and the layers timed over, to restore() later."""
-        return Snapshot(dict(self._paths), dict(self._one_row), dict(self._forced), self._setting,
+        return Snapshot(dict(self._paths), dict(self._layouts), dict(self._one_row), dict(self._forced), self._setting,
                         weakref.WeakSet(self._layers))
 
     def restore(self, saved: Snapshot) -> None:
-        self._paths, self._one_row = dict(saved.paths), dict(saved.one_row)
+        self._paths, self._layouts, self._one_row = dict(saved.paths), dict(saved.layouts), dict(saved.one_row)
         self._forced, self._setting = dict(saved.forced), saved.setting
         self._layers = weakref.WeakSet(saved.layers)
 
@@ -162,6 +172,17 @@ class ProductPaths:
 
     def keep(self, key: tuple, path: str) -> None:
         self._paths[key] = path
+
+    def layout_for(self, shape: tuple) -> str | None:
+        """The layout the weights of `shape` (d_out, d_in, dtype) are held in, or None: not settled yet."""
+        return self._layouts.get(shape)
+
+    def keep_layout(self, shape: tuple, layout: str) -> None:
+        self._layouts[shape] = layout
+
+    def uses(self, shape: tuple, path: str) -> bool:
+        """Whether a kind of product of `shape` (d_out, d_in, dtype) has `path` chosen."""
+        return any(key[:3] == shape and chosen == path for key, chosen in self._paths.items())
 
     def forced_path(self, rows_class: int) -> str | None:
         return self._forced.get(rows_class)
@@ -221,7 +242,8 @@ class ProductPaths:
         if isinstance(how, str):
             if how not in PATHS:
                 raise ValueError(f"cpu_products must be one of {', '.join(SETTINGS)}, got {how!r}")
-            classes = [0] if how in ONE_ROW_PATHS else range(len(ROW_CLASS_NAMES))
+            classes = ([0] if how in ONE_ROW_PATHS else range(STREAMED_CLASS + 1) if how in STREAMED_PATHS
+                       else range(len(ROW_CLASS_NAMES)))
             return {c: how for c in classes}, how
         if not isinstance(how, Mapping):
             raise ValueError(f"cpu_products must be one of {', '.join(SETTINGS)}, got {how!r}")
@@ -233,6 +255,9 @@ class ProductPaths:
                 raise ValueError(f"row class {name}: no path {path!r}; the paths are {', '.join(PATHS)}")
             if path in ONE_ROW_PATHS and name != ROW_CLASS_NAMES[0]:
                 raise ValueError(f"row class {name}: {path} takes one-row products only (row class 1)")
+            if path in STREAMED_PATHS and ROW_CLASS_NAMES.index(name) > STREAMED_CLASS:
+                raise ValueError(f"row class {name}: {path} takes products of up to {ROW_CLASSES[STREAMED_CLASS]} "
+                                 f"rows only (row classes {', '.join(ROW_CLASS_NAMES[:STREAMED_CLASS + 1])})")
             forced[ROW_CLASS_NAMES.index(name)] = path
         setting = ", ".join(f"{ROW_CLASS_NAMES[c]} rows: {p}" for c, p in sorted(forced.items())) or "auto"
         return forced, setting

@@ -1,6 +1,6 @@
 """ablate's own CPU kernels, in C compiled here, grouped by concern:
 
-- steps.c / steps.py: a matrix-vector product (one of the paths a one-row product can take:
+- steps.c / steps.py: a matrix-vector product (one of the paths a product of a few rows can take:
   ablate/model/linear.py times it against the others), RMSNorm, RoPE and SwiGLU's activation for a
   few tokens;
 - paged_attention.c / attention.py: decode attention reading a paged KV cache's blocks in place
@@ -14,8 +14,8 @@ Their tests: tests/test_native.py.
 """
 from ablate.model.native.attention import MAX_TASK_FLOATS, paged_decode_attention, paged_decode_problem
 from ablate.model.native.build import LIBRARY, DamagedCache, available, library, state, unavailable_reason
-from ablate.model.native.steps import SMALL_ROWS, matvec, pack_rows, rms_norm, rope, silu_mul, takes
+from ablate.model.native.steps import SMALL_ROWS, matvec, rms_norm, rope, silu_mul, takes
 
-__all__ = ["LIBRARY", "MAX_TASK_FLOATS", "SMALL_ROWS", "DamagedCache", "available", "library", "matvec", "pack_rows",
+__all__ = ["LIBRARY", "MAX_TASK_FLOATS", "SMALL_ROWS", "DamagedCache", "available", "library", "matvec",
            "paged_decode_attention", "paged_decode_problem", "rms_norm", "rope", "silu_mul", "state", "takes",
            "unavailable_reason"]

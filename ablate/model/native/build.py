@@ -36,7 +36,7 @@ DIGEST_CHARS = 16                 # a cached library's name ends in this many he
 _p, _i64 = ctypes.c_void_p, ctypes.c_long
 # each kernel's C signature: (argument types, return type)
 SIGNATURES = {
-    "matvec": ([_p, _p, _p, _p, _i64, _i64, ctypes.c_int], None),
+    "matvec": ([_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int], None),
     "rms_norm": ([_p, _p, _p, _i64, _i64, ctypes.c_float], None),
     "rope": ([_p, _p, _p, _p, _i64, _i64, _i64], None),
     "silu_mul": ([_p, _p, _i64, _i64], None),

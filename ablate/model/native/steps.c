@@ -11,37 +11,42 @@
 
 #include "vectors.h"
 
-/* matvec's packed layout (steps.py: pack_rows): W (d_out, d_in) as blocks of ROWS rows, each block
- * stored 16 columns at a time for its ROWS rows: packed[blk][c][r][0:16] = W[blk*ROWS + r][16c : 16c+16],
- * zero past d_out and d_in. x is loaded once for ROWS rows, and their ROWS independent multiply-add
- * chains keep the FMA units busy while W streams in. */
+/* Y = X W^T (+ b) for a few rows of X, on W as the model holds it: row-major (d_out, d_in), so the
+ * weight needs no copy of its own. X (m, d_in), Y (m, d_out), b (d_out) or NULL.
+ *
+ * Each thread takes a contiguous band of blocks of ROWS rows of W. A block (ROWS x d_in floats: 18 KiB
+ * for SmolLM2's d_in of 576) is read from memory once and stays in the core's caches while each row
+ * of X runs over it, so m rows cost one pass over W. Within a row of X, the block's ROWS rows are ROWS
+ * sequential streams, and their ROWS independent multiply-add chains keep the FMA units busy while
+ * W streams in. (An earlier kernel read W repacked 16 columns at a time into one stream per band; on
+ * the Xeon of docs/cpu-products.md the row-major kernel was as fast, and it saves the copy.) */
 enum { ROWS = 8 };
 
-/* y = W x (+ b) on W packed as above; x (d_in), y (d_out); b may be NULL.
- *
- * A matrix-vector product reads each weight once, so it runs at the speed W streams from memory. Each
- * thread takes a contiguous band of blocks, which the packed layout makes one sequential stream that
- * the hardware prefetcher runs ahead of. Row-major W would be ROWS streams at once: 15% slower over
- * SmolLM2's products on a Zen 4, with software prefetching, which the packed stream does not need. */
-void matvec(const float *packed, const float *x, const float *b, float *y, long d_out, long d_in, int threads) {
-    long blocks = (d_out + ROWS - 1) / ROWS, chunks = (d_in + 15) / 16;
-    float x_padded[d_in % 16 ? chunks * 16 : 1];       /* x is read 16 at a time: zeros past its end */
-    if (d_in % 16) {
-        memcpy(x_padded, x, d_in * sizeof(float));
-        memset(x_padded + d_in, 0, (chunks * 16 - d_in) * sizeof(float));
-        x = x_padded;
-    }
+void matvec(const float *w, const float *x, const float *b, float *y, long m, long d_out, long d_in, int threads) {
+    long blocks = (d_out + ROWS - 1) / ROWS, body = d_in / 16 * 16;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long blk = 0; blk < blocks; blk++) {
-        const float *w = packed + blk * chunks * ROWS * 16;
-        vec16 acc[ROWS];
-        for (int r = 0; r < ROWS; r++) acc[r] = (vec16){0};
-        for (long c = 0; c < chunks; c++, w += ROWS * 16) {
-            vec16 xv = load16(x + c * 16);
-            for (int r = 0; r < ROWS; r++) acc[r] += load16(w + r * 16) * xv;
+        long first = blk * ROWS, rows = d_out - first < ROWS ? d_out - first : ROWS;
+        const float *wb = w + first * d_in;
+        for (long t = 0; t < m; t++) {
+            const float *xt = x + t * d_in;
+            vec16 acc[ROWS];
+            for (int r = 0; r < ROWS; r++) acc[r] = (vec16){0};
+            if (rows == ROWS) {
+                for (long c = 0; c < body; c += 16) {
+                    vec16 xv = load16(xt + c);
+                    for (int r = 0; r < ROWS; r++) acc[r] += load16(wb + r * d_in + c) * xv;
+                }
+            } else {
+                for (int r = 0; r < rows; r++)
+                    for (long c = 0; c < body; c += 16) acc[r] += load16(wb + r * d_in + c) * load16(xt + c);
+            }
+            for (int r = 0; r < rows; r++) {
+                float s = sum16(acc[r]);
+                for (long c = body; c < d_in; c++) s += wb[r * d_in + c] * xt[c];
+                y[t * d_out + first + r] = s + (b ? b[first + r] : 0.0f);
+            }
         }
-        for (int r = 0; r < ROWS && blk * ROWS + r < d_out; r++)
-            y[blk * ROWS + r] = sum16(acc[r]) + (b ? b[blk * ROWS + r] : 0.0f);
     }
 }
 

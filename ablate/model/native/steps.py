@@ -1,17 +1,16 @@
-"""The kernels of steps of a few tokens (steps.c): a matrix-vector product for one-row products
-(one of the paths ablate/model/linear.py times), and RMSNorm, RoPE and SwiGLU's activation in one call
-each.
+"""The kernels of steps of a few tokens (steps.c): a matrix-vector product for products of a few
+rows (one of the paths ablate/model/linear.py times), and RMSNorm, RoPE and SwiGLU's activation in one
+call each.
 
-Why: at one row a product reads each weight once, so a decode step at batch 1 runs at the speed its
-weights stream from memory; matvec reads W packed so that each thread's band is one sequential stream
-(what it reached against oneDNN and numpy's BLAS: docs/cpu-products.md). It is one more path that the
-product-path timing weighs against the others, not a replacement. And torch's RMSNorm on a CPU is six
+Why: at a few rows a product reads each weight once, so a decode step runs at the speed its weights
+stream from memory; matvec reads W where the model holds it, row-major, and each block of W once for
+all the rows (what it reached against MKL and numpy's BLAS: docs/cpu-products.md). It is one more path
+that the product-path timing weighs against the others, not a replacement. And torch's RMSNorm on a CPU is six
 operations; for a few rows their dispatch is the whole cost.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ablate.model.native.build import available, library
 
@@ -29,29 +28,24 @@ def takes(x: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling() and available())
 
 
-def pack_rows(w: torch.Tensor) -> torch.Tensor:
-    """W (d_out, d_in) in matvec's layout (steps.c): (ceil(d_out / 8), ceil(d_in / 16), 8, 16), each
-    block of 8 rows stored 16 columns at a time, zeros past d_out and d_in."""
+def matvec(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
+    """x W^T + b for a few rows x (..., d_in), at most SMALL_ROWS of them, on W (d_out, d_in) fp32 as
+    the model holds it, row-major -> (..., d_out).
+
+    The C kernel trusts its pointers, so what they point at is checked here first: a W that is not
+    row-major, an input of another width, or a bias shorter than d_out would have it read past their
+    ends."""
     d_out, d_in = w.shape
-    padded = F.pad(w.detach(), (0, -d_in % 16, 0, -d_out % 8))                 # (d_out', d_in')
-    return padded.view(padded.shape[0] // 8, 8, padded.shape[1] // 16, 16).transpose(1, 2).contiguous()
-
-
-def matvec(packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, d_out: int, threads: int) -> torch.Tensor:
-    """x W^T + b for one row x (..., d_in), W fp32 on the CPU packed by pack_rows -> (..., d_out).
-
-    The C kernel trusts its pointers, so what they point at is checked here first: a pack of another
-    shape than (d_out, d_in), or a bias shorter than d_out, would have it read past their ends."""
-    want = (-(-d_out // 8), -(-x.shape[-1] // 16), 8, 16)
-    if (tuple(packed.shape) != want or not packed.is_contiguous() or packed.dtype != torch.float32
-            or x.dtype != torch.float32 or x.numel() != x.shape[-1] or (bias is not None and bias.numel() != d_out)):
-        raise ValueError(f"native matvec: W packed as {tuple(packed.shape)} {packed.dtype}, one {x.dtype} row of "
-                         f"{tuple(x.shape)} and a bias of {None if bias is None else bias.numel()} cannot make "
-                         f"{d_out} outputs: expected pack_rows of a ({d_out}, {x.shape[-1]}) fp32 W, shape {want}")
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (not w.is_contiguous() or w.dtype != torch.float32 or x.dtype != torch.float32 or x.shape[-1] != d_in
+            or not 1 <= rows <= SMALL_ROWS or (bias is not None and (bias.numel() != d_out or not bias.is_contiguous()))):
+        raise ValueError(f"native matvec: W {tuple(w.shape)} {w.dtype} (row-major: {w.is_contiguous()}), input "
+                         f"{tuple(x.shape)} {x.dtype} and a bias of {None if bias is None else bias.numel()}: expected "
+                         f"a row-major fp32 W, 1 to {SMALL_ROWS} fp32 rows of width {d_in} and a bias of {d_out}")
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], d_out, dtype=x.dtype, device=x.device)
-    library().matvec(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                     d_out, x.shape[-1], threads)
+    library().matvec(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                     rows, d_out, d_in, threads)
     return y
 
 

@@ -1,0 +1,123 @@
+"""How the path of a kind of CPU product and the layout of a shape's weights are chosen: by the clock.
+
+What is timed, when, and why is in ablate/model/linear.py's docstring; this module holds the timing
+itself, over the Linear layers it is handed (their `_run(path, x, threads)`, `lay_out(layout)`,
+`_same_shape()` and `_shape_key()`), and records what won in PRODUCT_PATHS.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ablate.model import native, numpy_blas
+from ablate.model.product_paths import (INPUT_MAJOR, MKL, NATIVE, NUMPY, ONEDNN, PRODUCT_PATHS, ROW_MAJOR,
+                                        STREAMED_CLASS)
+
+# dtypes whose products time oneDNN, a copy of W beside it: bf16, whose products reach the CPU's bf16
+# units (AMX, AVX512-BF16) through it; fp32 has paths as fast that read W in place (docs/cpu-products.md)
+ONEDNN_TIMED = (torch.bfloat16,)
+
+
+def layout_of(w: torch.Tensor) -> str:
+    """ROW_MAJOR (W contiguous), INPUT_MAJOR (W^T contiguous) or "strided"."""
+    if w.is_contiguous():
+        return ROW_MAJOR
+    return INPUT_MAJOR if w.t().is_contiguous() else "strided"
+
+
+def native_takes(dtype: torch.dtype, rows_class: int) -> bool:
+    """Whether the native kernel takes products of this dtype and row class (fp32, up to 16 rows)."""
+    return dtype == torch.float32 and rows_class <= STREAMED_CLASS and native.available()
+
+
+def median_seconds(fn, repeats: int = 7) -> float:
+    fn()
+    fn()                       # warm-up: the packed copy, the caches
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+
+def candidates(dtype: torch.dtype, rows: int, held: str | None) -> list[tuple[str, str]]:
+    """The (layout, path) pairs a streamed product of this dtype and row class may take: on the layout
+    `held` when the shape's is settled, else on each layout the dtype may take (fp32: both)."""
+    layouts = [held] if held else [ROW_MAJOR, INPUT_MAJOR] if dtype == torch.float32 else [ROW_MAJOR]
+    pairs = []
+    for layout in layouts:
+        pairs.append((layout, MKL))
+        if layout == ROW_MAJOR and native_takes(dtype, rows):
+            pairs.append((layout, NATIVE))
+        if layout == ROW_MAJOR and dtype in ONEDNN_TIMED:
+            pairs.append((layout, ONEDNN))
+    return pairs
+
+
+def lay_out_all(layers: list, layout: str) -> None:
+    for m in layers:
+        m.lay_out(layout)
+
+
+def time_layouts(layers: list, x: torch.Tensor, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
+    """Seconds for `x` through `layers` on each (layout, path) of `pairs`, the layers laid out in place
+    for each layout in turn (they end on the last)."""
+    PRODUCT_PATHS.timed()
+    threads = torch.get_num_threads()
+    seconds = {}
+    for layout in dict.fromkeys(layout for layout, _ in pairs):
+        lay_out_all(layers, layout)
+        for pair in [p for p in pairs if p[0] == layout]:
+            seconds[pair] = median_seconds(lambda: [m._run(pair[1], x, threads) for m in layers])
+    return seconds
+
+
+def settle(layers: list, seconds: dict[tuple[str, str], float], layout_too: bool = True) -> tuple[str, str]:
+    """The fastest (layout, path) of `seconds`: `layers` laid out for it and, with `layout_too`, the
+    shape's layout recorded; oneDNN copies made only for this timing are given back when it lost."""
+    layout, path = min(seconds, key=seconds.get)
+    lay_out_all(layers, layout)
+    if layout_too:
+        PRODUCT_PATHS.keep_layout(layers[0]._shape_key(), layout)
+    if path != ONEDNN and not PRODUCT_PATHS.uses(layers[0]._shape_key(), ONEDNN):
+        for m in layers:
+            m._packed = m._packed_key = None
+    return layout, path
+
+
+def choose_one_row(dtype: torch.dtype, threads: int) -> None:
+    """Every live shape's one-row path, timed together: numpy's BLAS for all of them (a one-row step
+    then lends it the cores: ablate/model/numpy_blas.py), or each the fastest of torch's paths. The two
+    cannot mix in one step, so the totals decide; numpy is timed as it would run, with torch on one
+    thread. Each shape's layout is the one its winning path was fastest on."""
+    shapes = {}                # one layer per shape: the timing runs through every live layer of it
+    for m in PRODUCT_PATHS.layers():
+        if m.weight.device.type == "cpu" and m.weight.dtype == dtype:
+            shapes.setdefault((*m.weight.shape, m.bias is None), m)
+    timed = {}
+    for layer in shapes.values():
+        x = torch.randn(1, layer.in_features, dtype=dtype, device="cpu")
+        pairs = candidates(dtype, 0, PRODUCT_PATHS.layout_for(layer._shape_key()))
+        timed[layer] = (x, time_layouts(layer._same_shape(), x, pairs))
+    on_numpy = False
+    if dtype == torch.float32 and numpy_blas.blas_threads(threads):
+        time.sleep(0.01)       # torch's idle workers spin a while after their last parallel region
+        with numpy_blas.torch_threads(1):
+            for layer, (x, seconds) in timed.items():
+                layouts = dict.fromkeys(layout for layout, _ in seconds)
+                seconds |= time_layouts(layer._same_shape(), x, [(layout, NUMPY) for layout in layouts])
+        best = {on: sum(min(s for (_, p), s in seconds.items() if (p == NUMPY) == on) for _, seconds in timed.values())
+                for on in (True, False)}
+        on_numpy = best[True] < best[False]
+    PRODUCT_PATHS.keep_one_row(dtype, threads, on_numpy)
+    for layer, (_, seconds) in timed.items():
+        if on_numpy:           # the layout numpy was fastest on; torch's path on it, for one-row products outside such a step
+            layout = min((pair for pair in seconds if pair[1] == NUMPY), key=seconds.get)[0]
+            seconds = {pair: s for pair, s in seconds.items() if pair[0] == layout}
+        torch_pairs = {pair: s for pair, s in seconds.items() if pair[1] != NUMPY}
+        _, path = settle(layer._same_shape(), torch_pairs)
+        PRODUCT_PATHS.keep((*layer.weight.shape, dtype, 0, threads), path)

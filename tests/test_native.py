@@ -375,7 +375,24 @@ def test_without_the_kernels_paged_decode_attention_says_why():
 
 
 @needs_native
-@pytest.mark.parametrize("wrong", ["narrower input", "input-major W", "short bias", "17 rows", "bf16 W"])
+@pytest.mark.parametrize("d_out, d_in, rows", [(80, 48, 1), (7, 5, 3), (960, 576, 16), (33, 100, 2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matvec_on_bf16_weights_computes_torchs_bf16_product(d_out, d_in, rows, bias):
+    """bf16 W, x and bias: sums in fp32, rounded once to bf16 as PyTorch's bf16 F.linear rounds: within
+    one bf16 rounding of it, and of the exact product on the same bf16 inputs."""
+    torch.manual_seed(0)
+    w, x = torch.randn(d_out, d_in, dtype=torch.bfloat16), torch.randn(rows, d_in, dtype=torch.bfloat16)
+    b = torch.randn(d_out, dtype=torch.bfloat16) if bias else None
+    got = native.matvec(w, x, b, 2)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, d_out)
+    exact = F.linear(x.float(), w.float(), None if b is None else b.float())
+    ulp = 2.0 ** -7 * exact.abs().clamp_min(1e-3)               # one bf16 rounding of each output
+    assert bool(((got.float() - exact).abs() <= ulp).all())
+
+
+@needs_native
+@pytest.mark.parametrize("wrong", ["narrower input", "input-major W", "short bias", "17 rows", "bf16 W, fp32 x",
+                                   "fp16 W"])
 def test_matvec_refuses_what_would_read_past_its_buffers(wrong):
     """The C kernel trusts its pointers: a W not row-major, an input of another width, a short bias or
     more than 16 rows is a ValueError before the call, never a read past the end of a buffer."""
@@ -388,8 +405,10 @@ def test_matvec_refuses_what_would_read_past_its_buffers(wrong):
         bias = torch.randn(3)
     elif wrong == "17 rows":
         x = torch.randn(17, 40)
-    else:
+    elif wrong == "bf16 W, fp32 x":
         w = w.bfloat16()
+    else:
+        w, x, bias = w.half(), x.half(), bias.half()
     with pytest.raises(ValueError, match="native matvec: W"):
         native.matvec(w, x, bias, 1)
 

@@ -1,6 +1,6 @@
 """nn.Linear whose CPU products each take the path chosen for their kind, on the weight where it lies.
 
-The paths: MKL through F.linear; ablate's matrix-vector kernel for up to 16 fp32 rows
+The paths: MKL through F.linear; ablate's matrix-vector kernel for up to 16 rows of fp32 or bf16
 (ablate/model/native/steps.c); numpy's BLAS, for the products of a step whose rows are all one
 (ablate/model/numpy_blas.py); and oneDNN on W reordered into its blocked layout. Which is fastest
 depends on the machine and the shape, so none is fixed in the code.

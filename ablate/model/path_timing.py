@@ -28,8 +28,8 @@ def layout_of(w: torch.Tensor) -> str:
 
 
 def native_takes(dtype: torch.dtype, rows_class: int) -> bool:
-    """Whether the native kernel takes products of this dtype and row class (fp32, up to 16 rows)."""
-    return dtype == torch.float32 and rows_class <= STREAMED_CLASS and native.available()
+    """Whether the native kernel takes products of this dtype and row class (fp32 or bf16, up to 16 rows)."""
+    return dtype in native.MATVEC_DTYPES and rows_class <= STREAMED_CLASS and native.available()
 
 
 def median_seconds(fn, repeats: int = 7) -> float:

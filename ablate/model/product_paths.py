@@ -2,7 +2,7 @@
 
 A product of Linear (ablate/model/linear.py) on the CPU runs on one of four paths: MKL through
 F.linear, oneDNN on a weight packed into its blocked layout, numpy's BLAS (one-row steps lent to it:
-ablate/model/numpy_blas.py) or ablate's native matrix-vector kernel (up to 16 fp32 rows:
+ablate/model/numpy_blas.py) or ablate's native matrix-vector kernel (up to 16 fp32 or bf16 rows:
 ablate/model/native/). Which one is a choice per kind of product, keyed by (d_out, d_in, dtype, row
 class, torch threads), made by the first product of that kind: timed (linear.py) unless forced; and
 the layout the weights of a shape are held in (row-major or input-major), settled with the first
@@ -113,7 +113,7 @@ class ProductPaths:
         product it can take: mkl and onednn every row class, numpy one-row products, native products of
         up to 16 rows), or
         {row class name: path} ({"1": "native", "2-16": "onednn"}; classes not named are timed). A
-        forced path takes the products it can run (oneDNN: a dtype it packs; native: fp32; numpy: fp32
+        forced path takes the products it can run (oneDNN: a dtype it packs; native: fp32 and bf16; numpy: fp32
         one-row steps); the others are timed as under auto. The choices the change affects are
         forgotten. A ValueError names what is wrong: an unknown path or row class, or a path that
         cannot run in this process (no native kernels, numpy's BLAS not bound to torch's threads...)."""

@@ -37,6 +37,7 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_long
 # each kernel's C signature: (argument types, return type)
 SIGNATURES = {
     "matvec": ([_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int], None),
+    "matvec_bf16": ([_p, _p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int], None),
     "rms_norm": ([_p, _p, _p, _i64, _i64, ctypes.c_float], None),
     "rope": ([_p, _p, _p, _p, _i64, _i64, _i64], None),
     "silu_mul": ([_p, _p, _i64, _i64], None),

@@ -22,32 +22,57 @@
  * the Xeon of docs/cpu-products.md the row-major kernel was as fast, and it saves the copy.) */
 enum { ROWS = 8 };
 
-void matvec(const float *w, const float *x, const float *b, float *y, long m, long d_out, long d_in, int threads) {
-    long blocks = (d_out + ROWS - 1) / ROWS, body = d_in / 16 * 16;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long blk = 0; blk < blocks; blk++) {
-        long first = blk * ROWS, rows = d_out - first < ROWS ? d_out - first : ROWS;
-        const float *wb = w + first * d_in;
-        for (long t = 0; t < m; t++) {
-            const float *xt = x + t * d_in;
-            vec16 acc[ROWS];
-            for (int r = 0; r < ROWS; r++) acc[r] = (vec16){0};
-            if (rows == ROWS) {
-                for (long c = 0; c < body; c += 16) {
-                    vec16 xv = load16(xt + c);
-                    for (int r = 0; r < ROWS; r++) acc[r] += load16(wb + r * d_in + c) * xv;
-                }
-            } else {
-                for (int r = 0; r < rows; r++)
-                    for (long c = 0; c < body; c += 16) acc[r] += load16(wb + r * d_in + c) * load16(xt + c);
-            }
-            for (int r = 0; r < rows; r++) {
-                float s = sum16(acc[r]);
-                for (long c = body; c < d_in; c++) s += wb[r * d_in + c] * xt[c];
-                y[t * d_out + first + r] = s + (b ? b[first + r] : 0.0f);
-            }
-        }
+/* The body of matvec for a weight element type WT whose 16 consecutive elements LOAD16 widens to fp32
+ * (fp32 itself, or bf16); X, Y and b in fp32. */
+#define MATVEC_BODY(WT, LOAD16, TO_FLOAT)                                                                   \
+    long blocks = (d_out + ROWS - 1) / ROWS, body = d_in / 16 * 16;                                         \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                       \
+    for (long blk = 0; blk < blocks; blk++) {                                                               \
+        long first = blk * ROWS, rows = d_out - first < ROWS ? d_out - first : ROWS;                        \
+        const WT *wb = w + first * d_in;                                                                    \
+        for (long t = 0; t < m; t++) {                                                                      \
+            const float *xt = x + t * d_in;                                                                 \
+            vec16 acc[ROWS];                                                                                \
+            for (int r = 0; r < ROWS; r++) acc[r] = (vec16){0};                                             \
+            if (rows == ROWS) {                                                                             \
+                for (long c = 0; c < body; c += 16) {                                                       \
+                    vec16 xv = load16(xt + c);                                                              \
+                    for (int r = 0; r < ROWS; r++) acc[r] += LOAD16(wb + r * d_in + c) * xv;                \
+                }                                                                                           \
+            } else {                                                                                        \
+                for (int r = 0; r < rows; r++)                                                              \
+                    for (long c = 0; c < body; c += 16) acc[r] += LOAD16(wb + r * d_in + c) * load16(xt + c); \
+            }                                                                                               \
+            for (int r = 0; r < rows; r++) {                                                                \
+                float s = sum16(acc[r]);                                                                    \
+                for (long c = body; c < d_in; c++) s += TO_FLOAT(wb[r * d_in + c]) * xt[c];                 \
+                y[t * d_out + first + r] = s + (b ? b[first + r] : 0.0f);                                   \
+            }                                                                                               \
+        }                                                                                                   \
     }
+
+static inline float same_float(float f) { return f; }
+
+void matvec(const float *w, const float *x, const float *b, float *y, long m, long d_out, long d_in, int threads) {
+    MATVEC_BODY(float, load16, same_float)
+}
+
+/* The same on bf16 W, X, b and Y: W is widened to fp32 as it streams in (half the bytes of an fp32 W, the
+ * whole point at a few rows), the sums run in fp32 and Y is rounded to bf16 once, as PyTorch's bf16
+ * products do. `scratch` (m x d_in + d_out + m x d_out floats, the caller's) holds X and b widened, and
+ * Y before rounding. */
+static void matvec_bf16_body(const bf16 *w, const float *x, const float *b, float *y, long m, long d_out, long d_in,
+                             int threads) {
+    MATVEC_BODY(bf16, load16_bf16, bf16_to_float)
+}
+
+void matvec_bf16(const bf16 *w, const bf16 *x16, const bf16 *b16, bf16 *y16, float *scratch, long m, long d_out,
+                 long d_in, int threads) {
+    float *x = scratch, *b = b16 ? scratch + m * d_in : NULL, *y = scratch + m * d_in + d_out;
+    for (long i = 0; i < m * d_in; i++) x[i] = bf16_to_float(x16[i]);
+    for (long i = 0; b && i < d_out; i++) b[i] = bf16_to_float(b16[i]);
+    matvec_bf16_body(w, x, b, y, m, d_out, d_in, threads);
+    for (long i = 0; i < m * d_out; i++) y16[i] = float_to_bf16(y[i]);
 }
 
 /* y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, for each of `rows` rows of n: one pass where torch's

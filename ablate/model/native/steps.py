@@ -28,24 +28,34 @@ def takes(x: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling() and available())
 
 
+MATVEC_DTYPES = (torch.float32, torch.bfloat16)     # W, x, bias and y all of one of these
+
+
 def matvec(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-    """x W^T + b for a few rows x (..., d_in), at most SMALL_ROWS of them, on W (d_out, d_in) fp32 as
-    the model holds it, row-major -> (..., d_out).
+    """x W^T + b for a few rows x (..., d_in), at most SMALL_ROWS of them, on W (d_out, d_in) as the
+    model holds it, row-major, fp32 or bf16 (sums in fp32) -> (..., d_out) in W's dtype.
 
     The C kernel trusts its pointers, so what they point at is checked here first: a W that is not
-    row-major, an input of another width, or a bias shorter than d_out would have it read past their
-    ends."""
+    row-major, an input of another width or dtype, or a bias shorter than d_out would have it read
+    past their ends."""
     d_out, d_in = w.shape
     rows = x.numel() // max(x.shape[-1], 1)
-    if (not w.is_contiguous() or w.dtype != torch.float32 or x.dtype != torch.float32 or x.shape[-1] != d_in
-            or not 1 <= rows <= SMALL_ROWS or (bias is not None and (bias.numel() != d_out or not bias.is_contiguous()))):
+    if (not w.is_contiguous() or w.dtype not in MATVEC_DTYPES or x.dtype != w.dtype or x.shape[-1] != d_in
+            or not 1 <= rows <= SMALL_ROWS or (bias is not None and (bias.numel() != d_out or bias.dtype != w.dtype
+                                                                       or not bias.is_contiguous()))):
         raise ValueError(f"native matvec: W {tuple(w.shape)} {w.dtype} (row-major: {w.is_contiguous()}), input "
                          f"{tuple(x.shape)} {x.dtype} and a bias of {None if bias is None else bias.numel()}: expected "
-                         f"a row-major fp32 W, 1 to {SMALL_ROWS} fp32 rows of width {d_in} and a bias of {d_out}")
+                         f"a row-major fp32 or bf16 W, 1 to {SMALL_ROWS} rows of width {d_in} and a bias of {d_out}, "
+                         "all of W's dtype")
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], d_out, dtype=x.dtype, device=x.device)
-    library().matvec(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                     rows, d_out, d_in, threads)
+    b = None if bias is None else bias.data_ptr()
+    if w.dtype == torch.float32:
+        library().matvec(w.data_ptr(), x.data_ptr(), b, y.data_ptr(), rows, d_out, d_in, threads)
+    else:
+        scratch = torch.empty(rows * d_in + d_out + rows * d_out, dtype=torch.float32)
+        library().matvec_bf16(w.data_ptr(), x.data_ptr(), b, y.data_ptr(), scratch.data_ptr(), rows, d_out, d_in,
+                              threads)
     return y
 
 

@@ -22,6 +22,35 @@ static inline vec16 load16(const float *p) {
     return v;
 }
 
+/* bf16: the upper 16 bits of an fp32, so widening is a shift; rounding back is to nearest, ties to even */
+typedef unsigned short bf16;
+typedef unsigned short u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef unsigned int u32x16 __attribute__((vector_size(64)));
+
+static inline vec16 load16_bf16(const bf16 *p) {
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+    vec16 v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static inline float bf16_to_float(bf16 h) {
+    unsigned int bits = (unsigned int)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline bf16 float_to_bf16(float f) {
+    unsigned int bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16)((bits >> 16) | 0x40);   /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (bf16)(bits >> 16);
+}
+
 /* w[0:n] . x[0:n] */
 static float dot(const float *w, const float *x, long n) {
     vec16 acc = {0};

@@ -8,7 +8,7 @@ model's dtype: a cache that stores them compressed (int8, say) dequantises in `v
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import psutil
 import torch
@@ -40,6 +40,8 @@ class KVSpec:
     max_num_seqs: int         # engine.max_num_seqs: sequences at once
     max_seq_len: int          # the workload's longest prompt + output: no sequence ever holds more
                               # tokens (it stores at most max_num_tokens - 1: its last is never fed)
+    windows: tuple[int | None, ...] = ()   # per layer, its sliding window (None: full); (): no windows
+    max_step_tokens: int = 0  # the most tokens one sequence feeds in one step; 0: max_seq_len
 
     @property
     def bytes_per_token(self) -> int:
@@ -48,12 +50,34 @@ class KVSpec:
         return kv_bytes_per_token(self.num_layers, self.n_kv_heads, self.k_head_dim, self.v_head_dim,
                                   self.dtype.itemsize)
 
+    @property
+    def layer_bytes_per_token(self) -> int:
+        """K/V bytes of one token in one layer (every layer stores the same widths)."""
+        return self.bytes_per_token // self.num_layers
+
+    def ring_rows(self, layer: int) -> int | None:
+        """Rows a cache keeps per sequence for `layer` when it keeps only the layer's window, as a ring
+        (PaddedKV.ring), or None: the layer needs every position (no window, or a ring as long as the
+        longest sequence). R = window - 1 + the most tokens a sequence feeds in one step: a step's
+        first query still sees its window - 1 keys before it while the step writes its own tokens."""
+        window = self.windows[layer] if layer < len(self.windows) else None
+        if window is None:
+            return None
+        rows = window - 1 + (self.max_step_tokens or self.max_seq_len)
+        return rows if rows < self.max_seq_len else None
+
     @classmethod
-    def of(cls, model: Any, engine: EngineConfig, max_seq_len: int) -> KVSpec:
+    def of(cls, model: Any, engine: EngineConfig, max_seq_len: int, max_step_tokens: int | None = None) -> KVSpec:
+        """The spec of `model`'s cache. max_step_tokens: the most tokens a sequence feeds in one step,
+        by default engine.max_num_batched_tokens (a model session that feeds a whole prompt passes
+        max_seq_len)."""
         cfg = model.config
         heads, k_width, v_width = cfg.kv_cache_widths     # MLA: one latent row in K, nothing in V
+        windows = tuple(cfg.layer_window(i) for i in range(cfg.n_layers)) if hasattr(cfg, "layer_window") else ()
+        step = engine.max_num_batched_tokens if max_step_tokens is None else max_step_tokens
         return cls(cfg.n_layers, heads, k_width, v_width, cfg.torch_dtype,
-                   next(model.parameters()).device, engine.max_num_seqs, max_seq_len)
+                   next(model.parameters()).device, engine.max_num_seqs, max_seq_len,
+                   windows if any(w is not None for w in windows) else (), min(step, max_seq_len))
 
 
 # -- views: what attention reads for one layer ---------------------------------------------------------
@@ -64,6 +88,7 @@ class PackedKV:
 
     k: torch.Tensor   # (T, H_kv, D)
     v: torch.Tensor   # (T, H_kv, D)
+    ring: ClassVar[int] = 0   # padded() puts key j at row j (PaddedKV.ring)
 
     def padded(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         rows, _ = step.query_pad_index()
@@ -76,17 +101,23 @@ class PackedKV:
 @dataclass
 class PaddedKV:
     """One row per sequence, in batch order, already padded (contiguous, dynamic, streaming caches).
-    Entries past a sequence's kv_len are masked out, but must be finite numbers (0 x NaN is NaN)."""
+    Entries past a sequence's kv_len are masked out, but must be finite numbers (0 x NaN is NaN).
 
-    k: torch.Tensor   # (B, S, H_kv, D), S >= the step's longest kv_len
+    ring = 0: key j of a sequence is at row j. ring = R > 0 (a windowed layer whose cache keeps only
+    its window): the rows are a ring, S = R, position p at row p mod R, so with L = kv_len row j holds
+    position L - 1 - ((L - 1 - j) mod R), none when that is negative. Attention masks such a view by
+    those positions: causal_mask(step, S, window, view.ring)."""
+
+    k: torch.Tensor   # (B, S, H_kv, D), S >= the step's longest kv_len (ring: S = ring)
     v: torch.Tensor
+    ring: int = 0
 
     def padded(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, S, H_kv, D) each: S = the step's longest kv_len, or every row's whole capacity in a step
-        captured for replay (step.graphed), whose lengths the host lists do not hold."""
+        """(B, S, H_kv, D) each: S = the step's longest kv_len (at most the ring), or every row's whole
+        capacity in a step captured for replay (step.graphed), whose lengths the host lists do not hold."""
         if step.graphed:
             return self.k, self.v
-        s = step.max_kv_len
+        s = min(step.max_kv_len, self.ring) if self.ring else step.max_kv_len   # ring rows past L hold nothing
         return self.k[:, :s], self.v[:, :s]
 
 
@@ -97,6 +128,7 @@ class PagedKV:
     k_cache: torch.Tensor        # (num_blocks, block_size, H_kv, D)
     v_cache: torch.Tensor
     block_tables: torch.Tensor   # (B, max_blocks_per_seq) int32, physical block of each logical block
+    ring: ClassVar[int] = 0      # padded() puts key j at row j (PaddedKV.ring)
 
     @property
     def block_size(self) -> int:
@@ -129,7 +161,9 @@ def view_problem(view: KVView, step: StepInputs, spec: KVSpec) -> str | None:
         k, v = view.k, view.v
         if k.dim() != 4 or k.shape[0] != step.num_seqs:
             return f"PaddedKV.k has shape {tuple(k.shape)}, expected (B={step.num_seqs}, S, H_kv, D)"
-        if k.shape[1] < step.max_kv_len:
+        if view.ring and k.shape[1] != view.ring:
+            return f"PaddedKV rows hold {k.shape[1]} keys, but the view says they are a ring of {view.ring}"
+        if not view.ring and k.shape[1] < step.max_kv_len:
             return (f"PaddedKV rows hold {k.shape[1]} keys but a sequence of this step has "
                     f"{step.max_kv_len} (kv_lens {step.kv_lens})")
     elif isinstance(view, PagedKV):

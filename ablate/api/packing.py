@@ -28,7 +28,8 @@ class LayerAttention:
         return frozenset([SLIDING_WINDOW] * (self.window is not None) + [SOFTCAP] * (self.softcap is not None))
 
 
-def causal_mask(step: StepInputs, num_keys: int | None = None, window: int | None = None) -> torch.Tensor:
+def causal_mask(step: StepInputs, num_keys: int | None = None, window: int | None = None,
+                ring: int = 0) -> torch.Tensor:
     """(B, Lq, S) True where query i of sequence b may see key j; S = num_keys, the width of the keys
     attention reads (view.padded's), by default the step's longest kv_len.
 
@@ -37,29 +38,41 @@ def causal_mask(step: StepInputs, num_keys: int | None = None, window: int | Non
     With a window W it sees only keys j > L - q + i - W: W keys, itself included (transformers'
     sliding window). The window counts the view's keys, which are the positions for every cache
     that keeps all tokens (one that evicts, streaming, counts what it kept).
+    ring = R > 0 (pass view.ring): the view keeps a windowed layer's keys in a ring of R rows
+    (PaddedKV.ring), so key j is at position p_j = L - 1 - ((L - 1 - j) mod R), none when p_j < 0, and
+    the rules above apply to p_j instead of j. Softmax is blind to the order of the keys, and RoPE
+    was applied before they were stored, so only the mask needs their positions.
     In a decode step captured for replay (step.graphed) the mask is built from kv_lens_t alone: pass
     num_keys, since the step's lists hold the lengths of the step it was captured on.
     """
+    if ring and (window is None or num_keys is None):
+        raise ValueError("causal_mask: a ring of keys (ring > 0) needs the layer's window and num_keys")
     s = num_keys if num_keys is not None else step.max_kv_len
 
     def make():
         device = step.input_ids.device
         kv = step.kv_lens_t.long()                                         # (B,)
         j = torch.arange(s, device=device)                                 # (S,)
+        if ring:                                                           # (B, S): each row's position
+            pos = (kv - 1)[:, None] - ((kv - 1)[:, None] - j[None, :]).remainder(ring)
+            exists = pos >= 0                                              # ring rows not written yet: < 0
+        else:
+            pos = j[None, :].expand(kv.shape[0], s)
+            exists = pos < kv[:, None]
         if step.graphed:                                                   # one query, the sequence's last
-            seen = j[None, :] < kv[:, None]                                # (B, S)
+            seen = exists
             if window is not None:
-                seen &= j[None, :] >= kv[:, None] - window
+                seen = seen & (pos >= kv[:, None] - window)
             return seen[:, None, :]                                        # (B, 1, S)
         qlen = device_tensor(step.query_lens, torch.long, device)          # (B,)
         i = torch.arange(step.max_query_len, device=device)                # (Lq,)
         last = (kv - qlen)[:, None] + i[None, :]                           # (B, Lq): last key each query sees
-        seen = (j[None, None, :] <= last[:, :, None]) & (j[None, None, :] < kv[:, None, None])
+        seen = (pos[:, None, :] <= last[:, :, None]) & exists[:, None, :]
         if window is not None:   # a padded row's last is past the keys: its window ends at the last key
             first = torch.minimum(last, (kv - 1)[:, None]) - window        # (B, Lq): keys after it are seen
-            seen &= j[None, None, :] > first[:, :, None]
+            seen &= pos[:, None, :] > first[:, :, None]
         return seen
-    return step.memo(f"causal_mask/{s}/{window}", make)
+    return step.memo(f"causal_mask/{s}/{window}/{ring}", make)
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

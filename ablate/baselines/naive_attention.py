@@ -35,7 +35,8 @@ class NaiveAttention(Attention):
         scores = scores.view(b, h_kv, g, lq, -1) * (1.0 / math.sqrt(d))
         if layer is not None and layer.softcap is not None:       # c tanh(s / c), before the mask
             scores = layer.softcap * torch.tanh(scores / layer.softcap)
-        mask = causal_mask(step, k.shape[1], layer.window if layer is not None else None)   # (B, Lq, S)
+        # (B, Lq, S); a windowed layer's view may be a ring of rows: masked by each key's position
+        mask = causal_mask(step, k.shape[1], layer.window if layer is not None else None, view.ring)
         scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(b, h_kv, g * lq, -1)
         out = probs @ v.permute(0, 2, 1, 3).float()                # (B, H_kv, G*Lq, D_v)

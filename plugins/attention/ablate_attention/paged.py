@@ -56,7 +56,8 @@ def gathered_attention(q: torch.Tensor, view: KVView, step: StepInputs,
     k, v = view.padded(step)                                   # (B, S, H_kv, D): k_cache[block_tables] flattened
     qp = pad_queries(q, step).transpose(1, 2)                  # (B, H, Lq, D)
     window = layer.window if layer is not None else None
-    mask = causal_mask(step, k.shape[1], window)[:, None]      # (B, 1, Lq, S): key j <= query position, j < context
+    # (B, 1, Lq, S): key j <= query position, j < context; by position in a windowed layer's ring (PaddedKV.ring)
+    mask = causal_mask(step, k.shape[1], window, view.ring)[:, None]
     if layer is not None and layer.softcap is not None:
         out = softcapped_attention(qp, k.transpose(1, 2), v.transpose(1, 2), mask, layer.softcap)
     else:

@@ -64,7 +64,7 @@ class SDPAAttention(Attention):
         qp = pad_queries(q, step).transpose(1, 2)                    # (B, H, Lq, D)
         k, v = k.transpose(1, 2), v.transpose(1, 2)                  # (B, H_kv, S, D)
         if layer is not None:                                        # a window, soft-capped scores: masked
-            mask = causal_mask(step, k.shape[2], layer.window)[:, None]          # (B, 1, Lq, S)
+            mask = causal_mask(step, k.shape[2], layer.window, view.ring)[:, None]   # (B, 1, Lq, S)
             if layer.softcap is not None:
                 self.backends.setdefault("softcapped", "explicit")
                 out = softcapped_attention(qp, k, v, mask, layer.softcap)

@@ -193,7 +193,9 @@ def build_arm(arm: Arm, model: LlamaModel, engine: EngineConfig, max_seq_len: in
     ctx._attention = attention
 
     def model_session(draft: LlamaModel) -> ModelRunSession:
-        draft_ctx = BuildContext(draft, KVSpec.of(draft, engine, max_seq_len), engine)
+        # a session feeds a whole prompt in one step, and rolls back past where its last step began:
+        # its cache keeps every position of a windowed layer (max_step_tokens = max_seq_len: no ring)
+        draft_ctx = BuildContext(draft, KVSpec.of(draft, engine, max_seq_len, max_step_tokens=max_seq_len), engine)
         return ModelRunSession(draft, make(Slot.KV_CACHE, draft_ctx), attention)
 
     ctx._model_session = model_session

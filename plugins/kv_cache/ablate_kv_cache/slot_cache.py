@@ -3,6 +3,17 @@
 Writes go through one flat index per step (slot * capacity + position, as nano-vllm's slot
 mapping), so a step that mixes prefill chunks and decode tokens is one index_copy_ per layer.
 Reads hand attention the batch's rows: a free view when their slots are consecutive.
+
+A layer with a sliding window keeps only its window: a ring of R rows per sequence (KVSpec.ring_rows,
+R = window - 1 + the most tokens a sequence feeds in one step), position p at row p mod R, read as
+PaddedKV(..., ring=R), which attention masks by each row's position (ablate.api.causal_mask). Why
+R rows suffice, rejected drafts included: with C tokens committed before a step that feeds n <= T
+tokens (positions C .. C + n - 1), the step's queries need positions > C - W. A ring row holds the
+latest position written to it; rows whose position is in C .. C + n - 1 are written by this step,
+and a row whose latest committed position p < C was overwritten since only by a position p' = p +
+kR that no step kept (a rejected draft). Drafts are fed within one step, at positions < C_prev + T
+where C_prev <= C is where that step started, so p = p' - kR < C + T - R = C - W + 1: p was
+already outside the window of every query from C on, and a row the mask counts holds what it says.
 """
 from __future__ import annotations
 
@@ -12,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ablate.api import (BuildContext, KVBudgetConfig, KVCache, KVSpec, RowBuffers, Sequence, Stat, StepInputs,
-                        budget_bytes, free_memory_bytes)
+from ablate.api import (BuildContext, KVBudgetConfig, KVCache, KVSpec, PaddedKV, PluginError, RowBuffers, Sequence,
+                        Stat, StepInputs, budget_bytes, device_tensor, free_memory_bytes)
 
 
 def check_pool_fits(cache: str, pool_bytes: int, seq_bytes: int, spec: KVSpec, config: KVBudgetConfig,
@@ -53,6 +64,7 @@ class SlotKVCache(RowBuffers, KVCache):
     reported_stats = (
         Stat("kv_slots", "rows of the buffer (sequences it can hold)", "count"),
         Stat("kv_capacity_tokens", "tokens per row", "tokens"),
+        Stat("kv_ring_rows", "rows a windowed layer keeps per sequence (0: no layer keeps a ring)", "tokens"),
         Stat("kv_peak_reserved_bytes", "largest buffer held", "bytes"),
         Stat("max_seqs_admitted", "most sequences holding a row at once", "count"),
         Stat("kv_frag_slots_per_seq_mean", "row capacity holding no token, per sequence and step (mean)", "tokens",
@@ -67,7 +79,15 @@ class SlotKVCache(RowBuffers, KVCache):
         self._frag_slots_per_seq: list[float] = []   # per step: row capacity not holding a token, per sequence
         self.slot_of: dict[int, int] = {}
         self.free_slots: list[int] = []          # a heap: the lowest free slot first keeps rows together
-        self.k = self.v = torch.empty(0, device=self.spec.device)
+        # the windowed layers a ring of `ring` rows keeps (ring_k, ring_v), the others a row of `capacity`
+        # tokens (k, v); _where[layer]: (in the ring buffers, index in its buffers)
+        spec = self.spec
+        self.ring_layers = [layer for layer in range(spec.num_layers) if spec.ring_rows(layer) is not None]
+        self.ring = max((spec.ring_rows(layer) for layer in self.ring_layers), default=0)
+        full_layers = [layer for layer in range(spec.num_layers) if layer not in self.ring_layers]
+        self._where = ({layer: (False, i) for i, layer in enumerate(full_layers)}
+                       | {layer: (True, i) for i, layer in enumerate(self.ring_layers)})
+        self.k = self.v = self.ring_k = self.ring_v = torch.empty(0, device=spec.device)
         self.peak_reserved = 0
         self._allocate(0, 0)
 
@@ -77,23 +97,40 @@ class SlotKVCache(RowBuffers, KVCache):
         return self.k.shape[1]
 
     def _allocate(self, num_slots: int, capacity: int) -> None:
-        """(Re)allocate to (layers, slots, capacity, H_kv, D), keeping what is stored."""
+        """(Re)allocate to (full layers, slots, capacity, H_kv, D) and (windowed layers, slots, ring,
+        H_kv, D), keeping what is stored (a ring keeps its size, so each position keeps its row)."""
         s = self.spec
-        new_k = torch.zeros(s.num_layers, num_slots, capacity, s.n_kv_heads, s.k_head_dim, dtype=s.dtype, device=s.device)
-        new_v = torch.zeros(s.num_layers, num_slots, capacity, s.n_kv_heads, s.v_head_dim, dtype=s.dtype, device=s.device)
-        old_slots, old_cap = (self.k.shape[1], self.k.shape[2]) if self.k.dim() == 5 else (0, 0)
-        if old_slots and old_cap:
-            new_k[:, :old_slots, :old_cap] = self.k
-            new_v[:, :old_slots, :old_cap] = self.v
+        old_slots = self.k.shape[1] if self.k.dim() == 5 else 0
+
+        def grown(old: torch.Tensor, layers: int, rows: int, width: int) -> torch.Tensor:
+            new = torch.zeros(layers, num_slots, rows, s.n_kv_heads, width, dtype=s.dtype, device=s.device)
+            if old.dim() == 5 and old.shape[1] and old.shape[2]:
+                new[:, :old.shape[1], :old.shape[2]] = old
+            return new
+
+        full, ringed = s.num_layers - len(self.ring_layers), len(self.ring_layers)
+        self.k, self.v = grown(self.k, full, capacity, s.k_head_dim), grown(self.v, full, capacity, s.v_head_dim)
+        self.ring_k = grown(self.ring_k, ringed, self.ring, s.k_head_dim)
+        self.ring_v = grown(self.ring_v, ringed, self.ring, s.v_head_dim)
         self.free_slots = sorted(set(self.free_slots) | set(range(old_slots, num_slots)))
-        self.k, self.v = new_k, new_v
         self.peak_reserved = max(self.peak_reserved, self.bytes_reserved())
 
     def bytes_reserved(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.ring_k, self.ring_v))
 
     def bytes_per_slot(self, capacity: int) -> int:
-        return capacity * self.spec.bytes_per_token
+        """One sequence's rows: `capacity` tokens in each full layer, the ring in each windowed one."""
+        rows = (self.spec.num_layers - len(self.ring_layers)) * capacity + len(self.ring_layers) * self.ring
+        return rows * self.spec.layer_bytes_per_token
+
+    def bytes_used(self) -> int:
+        """Every committed token in the full layers; in a windowed layer kept as a ring, the last
+        `window` of them (what ModelConfig.kv_bytes_at counts): the older rows are dead."""
+        windows = [self.spec.windows[layer] for layer in self.ring_layers]
+        full = self.spec.num_layers - len(windows)
+        rows = sum(full * n + sum(min(n, w) for w in windows)
+                   for n in (seq.num_computed_tokens for seq in self._held.values()))
+        return rows * self.bytes_per_token // self.spec.num_layers     # the cache's own bytes (fp16, say)
 
     # -- room --------------------------------------------------------------------------------------
     def take_slot(self, seq: Sequence) -> None:
@@ -112,9 +149,42 @@ class SlotKVCache(RowBuffers, KVCache):
         self._frag_slots_per_seq.append(self.capacity - sum(step.context_lens) / len(step.context_lens))
         slots = [self.slot_of[s.seq_id] for s in step.seqs]
         self.plan_rows(slots, step, [0] * len(slots))
+        if self.ring:
+            self._plan_ring(slots, step)
+
+    def _plan_ring(self, slots: list[int], step: StepInputs) -> None:
+        """step.plan's `ring_write_index` (T,): token at position p of the sequence in `slots[b]` goes to
+        row slot * ring + p mod ring of the flattened ring buffers. The ring holds what a step needs
+        only when no sequence feeds more tokens than the ring was sized for (the module's docstring)."""
+        most = self.spec.max_step_tokens or self.spec.max_seq_len
+        if max(step.query_lens) > most:
+            raise PluginError(self, "prepare", f"a sequence feeds {max(step.query_lens)} tokens in one step, more "
+                              f"than the {most} the windowed layers' rings were sized for (engine.max_num_batched_"
+                              f"tokens, and speculative decoding's drafts + 1 within it): raise "
+                              f"engine.max_num_batched_tokens to at least {max(step.query_lens)}")
+        ring = self.ring
+        index = [slot * ring + p % ring
+                 for slot, n, end in zip(slots, step.query_lens, step.context_lens) for p in range(end - n, end)]
+        step.plan["ring_write_index"] = device_tensor(index, torch.long, step.input_ids.device)   # (T,)
+        step.plan["ring_storage"] = (self.ring_k.data_ptr(), tuple(self.ring_k.shape))   # a captured graph's address
+
+    def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v (T, H_kv, D) -> rows of the flattened (slots * rows, H_kv, D) buffers of the layer's kind
+        in_ring, i = self._where[layer]
+        keys, values, index = ((self.ring_k, self.ring_v, step.plan["ring_write_index"]) if in_ring
+                               else (self.k, self.v, step.plan["write_index"]))
+        keys[i].flatten(0, 1).index_copy_(0, index, k)
+        values[i].flatten(0, 1).index_copy_(0, index, v)
+
+    def view(self, layer: int, step: StepInputs) -> PaddedKV:
+        rows = step.plan["read_rows"]
+        in_ring, i = self._where[layer]
+        if in_ring:
+            return PaddedKV(self.ring_k[i][rows], self.ring_v[i][rows], ring=self.ring)   # (B, ring, H_kv, D)
+        return PaddedKV(self.k[i][rows], self.v[i][rows])                               # (B, capacity, H_kv, D)
 
     def stats(self) -> dict[str, float]:
-        return {"kv_slots": self.num_slots, "kv_capacity_tokens": self.capacity,
+        return {"kv_slots": self.num_slots, "kv_capacity_tokens": self.capacity, "kv_ring_rows": self.ring,
                 "kv_peak_reserved_bytes": self.peak_reserved, "max_seqs_admitted": self.max_seqs_admitted,
                 "kv_frag_slots_per_seq_mean": float(np.mean(self._frag_slots_per_seq)) if self._frag_slots_per_seq
                 else float("nan")}

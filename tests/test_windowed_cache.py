@@ -260,3 +260,17 @@ def test_a_ring_view_is_checked_against_its_ring():
     assert view_problem(PaddedKV(k, k, ring=10), step, spec) is None
     assert "ring of 12" in view_problem(PaddedKV(k, k, ring=12), step, spec)
     assert "hold 10 keys" in view_problem(PaddedKV(k, k), step, spec)
+
+
+def test_an_arms_perplexity_with_a_context_longer_than_its_steps_runs_through_a_ring(pairs, registry):
+    """The quality check feeds its whole context in one step: the arm's cache is built for that step,
+    and the ring that later tokens go through gives transformers' perplexity."""
+    from ablate.experiment.arm_run import arm_perplexity
+    model, hf = pairs("gemma2")
+    text = random_prompt(48, seed=4)
+    arm = resolve_arm("windowed", {"kv_cache": "contiguous", "attention": "naive"}, baseline_configs(registry),
+                      registry)
+    ours = arm_perplexity(arm, model, text, 20, EngineConfig(max_num_seqs=1, max_num_batched_tokens=4), registry)
+    logits = hf_logits(hf)(text)[19:-1]                                          # rows predicting 20 .. 47
+    expected = torch.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(text[20:]))).item()
+    assert ours == pytest.approx(expected, rel=1e-4)

@@ -147,7 +147,9 @@ def run_once(arm: Arm, model: LlamaModel, requests: list[Request], engine_cfg: E
 def arm_perplexity(arm: Arm, model: LlamaModel, token_ids: list[int], num_context: int, engine_cfg: EngineConfig,
                    registry: Registry) -> float:
     """Perplexity of `token_ids` after the first `num_context` through the arm's runner (its variant,
-    KV cache and attention), teacher forced."""
+    KV cache and attention), teacher forced. The context goes in as one step, so the cache is built for
+    steps that long (a windowed layer's ring, KVSpec.ring_rows, holds a step's tokens)."""
+    engine_cfg = replace(engine_cfg, max_num_batched_tokens=max(engine_cfg.max_num_batched_tokens, num_context))
     built = build_arm(arm, model, engine_cfg, len(token_ids), registry)
     try:
         return runner_perplexity(built.engine.runner, token_ids, num_prefill=num_context)

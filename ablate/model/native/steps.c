@@ -22,56 +22,81 @@
  * the Xeon of docs/cpu-products.md the row-major kernel was as fast, and it saves the copy.) */
 enum { ROWS = 8 };
 
-/* The body of matvec for a weight element type WT whose 16 consecutive elements LOAD16 widens to fp32
- * (fp32 itself, or bf16); X, Y and b in fp32. */
-#define MATVEC_BODY(WT, LOAD16, TO_FLOAT)                                                                   \
-    long blocks = (d_out + ROWS - 1) / ROWS, body = d_in / 16 * 16;                                         \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                       \
-    for (long blk = 0; blk < blocks; blk++) {                                                               \
-        long first = blk * ROWS, rows = d_out - first < ROWS ? d_out - first : ROWS;                        \
-        const WT *wb = w + first * d_in;                                                                    \
-        for (long t = 0; t < m; t++) {                                                                      \
-            const float *xt = x + t * d_in;                                                                 \
-            vec16 acc[ROWS];                                                                                \
-            for (int r = 0; r < ROWS; r++) acc[r] = (vec16){0};                                             \
-            if (rows == ROWS) {                                                                             \
-                for (long c = 0; c < body; c += 16) {                                                       \
-                    vec16 xv = load16(xt + c);                                                              \
-                    for (int r = 0; r < ROWS; r++) acc[r] += LOAD16(wb + r * d_in + c) * xv;                \
-                }                                                                                           \
-            } else {                                                                                        \
-                for (int r = 0; r < rows; r++)                                                              \
-                    for (long c = 0; c < body; c += 16) acc[r] += LOAD16(wb + r * d_in + c) * load16(xt + c); \
-            }                                                                                               \
-            for (int r = 0; r < rows; r++) {                                                                \
-                float s = sum16(acc[r]);                                                                    \
-                for (long c = body; c < d_in; c++) s += TO_FLOAT(wb[r * d_in + c]) * xt[c];                 \
-                y[t * d_out + first + r] = s + (b ? b[first + r] : 0.0f);                                   \
-            }                                                                                               \
-        }                                                                                                   \
-    }
-
-static inline float same_float(float f) { return f; }
-
 void matvec(const float *w, const float *x, const float *b, float *y, long m, long d_out, long d_in, int threads) {
-    MATVEC_BODY(float, load16, same_float)
+    long blocks = (d_out + ROWS - 1) / ROWS, body = d_in / 16 * 16;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long blk = 0; blk < blocks; blk++) {
+        long first = blk * ROWS, rows = d_out - first < ROWS ? d_out - first : ROWS;
+        const float *wb = w + first * d_in;
+        for (long t = 0; t < m; t++) {
+            const float *xt = x + t * d_in;
+            vec16 acc[ROWS];
+            for (int r = 0; r < ROWS; r++) acc[r] = (vec16){0};
+            if (rows == ROWS) {
+                for (long c = 0; c < body; c += 16) {
+                    vec16 xv = load16(xt + c);
+                    for (int r = 0; r < ROWS; r++) acc[r] += load16(wb + r * d_in + c) * xv;
+                }
+            } else {
+                for (int r = 0; r < rows; r++)
+                    for (long c = 0; c < body; c += 16) acc[r] += load16(wb + r * d_in + c) * load16(xt + c);
+            }
+            for (int r = 0; r < rows; r++) {
+                float s = sum16(acc[r]);
+                for (long c = body; c < d_in; c++) s += wb[r * d_in + c] * xt[c];
+                y[t * d_out + first + r] = s + (b ? b[first + r] : 0.0f);
+            }
+        }
+    }
 }
 
 /* The same on bf16 W, X, b and Y: W is widened to fp32 as it streams in (half the bytes of an fp32 W, the
  * whole point at a few rows), the sums run in fp32 and Y is rounded to bf16 once, as PyTorch's bf16
- * products do. `scratch` (m x d_in + d_out + m x d_out floats, the caller's) holds X and b widened, and
- * Y before rounding. */
-static void matvec_bf16_body(const bf16 *w, const float *x, const float *b, float *y, long m, long d_out, long d_in,
-                             int threads) {
-    MATVEC_BODY(bf16, load16_bf16, bf16_to_float)
-}
-
+ * products do.
+ *
+ * Widening pairs: 32 bf16 of W are 16 32-bit words, each holding an even-indexed bf16 in its low half and
+ * the next one in its high half; their fp32 values are the words shifted left 16 and the words with their
+ * low halves cleared (load32_bf16). So X is split once per call the same way, each 32 columns into their
+ * 16 even and 16 odd ones, and a block's rows take two multiply-adds per 32 columns of W.
+ * `scratch` (m x d_in + d_out + m x d_out floats, the caller's) holds X split, b widened, and Y before
+ * rounding. */
 void matvec_bf16(const bf16 *w, const bf16 *x16, const bf16 *b16, bf16 *y16, float *scratch, long m, long d_out,
                  long d_in, int threads) {
     float *x = scratch, *b = b16 ? scratch + m * d_in : NULL, *y = scratch + m * d_in + d_out;
-    for (long i = 0; i < m * d_in; i++) x[i] = bf16_to_float(x16[i]);
+    long blocks = (d_out + ROWS - 1) / ROWS, body = d_in / 32 * 32;
+    for (long t = 0; t < m; t++) {
+        const bf16 *xt = x16 + t * d_in;
+        float *split = x + t * d_in;
+        for (long c = 0; c < body; c += 32)
+            for (int j = 0; j < 16; j++) {
+                split[c + j] = bf16_to_float(xt[c + 2 * j]);
+                split[c + 16 + j] = bf16_to_float(xt[c + 2 * j + 1]);
+            }
+        for (long c = body; c < d_in; c++) split[c] = bf16_to_float(xt[c]);
+    }
     for (long i = 0; b && i < d_out; i++) b[i] = bf16_to_float(b16[i]);
-    matvec_bf16_body(w, x, b, y, m, d_out, d_in, threads);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long blk = 0; blk < blocks; blk++) {
+        long first = blk * ROWS, rows = d_out - first < ROWS ? d_out - first : ROWS;
+        const bf16 *wb = w + first * d_in;
+        for (long t = 0; t < m; t++) {
+            const float *xt = x + t * d_in;
+            vec16 acc[ROWS], even, odd;
+            for (int r = 0; r < ROWS; r++) acc[r] = (vec16){0};
+            for (long c = 0; c < body; c += 32) {
+                vec16 xe = load16(xt + c), xo = load16(xt + c + 16);
+                for (int r = 0; r < rows; r++) {
+                    load32_bf16(wb + r * d_in + c, &even, &odd);
+                    acc[r] += even * xe + odd * xo;
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                float s = sum16(acc[r]);
+                for (long c = body; c < d_in; c++) s += bf16_to_float(wb[r * d_in + c]) * xt[c];
+                y[t * d_out + first + r] = s + (b ? b[first + r] : 0.0f);
+            }
+        }
+    }
     for (long i = 0; i < m * d_out; i++) y16[i] = float_to_bf16(y[i]);
 }
 

@@ -24,16 +24,16 @@ static inline vec16 load16(const float *p) {
 
 /* bf16: the upper 16 bits of an fp32, so widening is a shift; rounding back is to nearest, ties to even */
 typedef unsigned short bf16;
-typedef unsigned short u16x16 __attribute__((vector_size(32), aligned(2)));
-typedef unsigned int u32x16 __attribute__((vector_size(64)));
+typedef unsigned int u32x16 __attribute__((vector_size(64), aligned(4)));
 
-static inline vec16 load16_bf16(const bf16 *p) {
-    u16x16 h;
-    memcpy(&h, p, sizeof h);
-    u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
-    vec16 v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
+/* 32 bf16 at p as fp32: the even-indexed 16 (low halves of the 32-bit words) and the odd-indexed 16 */
+static inline void load32_bf16(const bf16 *p, vec16 *even, vec16 *odd) {
+    u32x16 words, low, high;
+    memcpy(&words, p, sizeof words);
+    low = words << 16;
+    high = words & 0xffff0000u;
+    memcpy(even, &low, sizeof *even);
+    memcpy(odd, &high, sizeof *odd);
 }
 
 static inline float bf16_to_float(bf16 h) {

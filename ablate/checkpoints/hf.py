@@ -111,7 +111,8 @@ def hf_model_fields(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[
 
 def config_fields(config: dict[str, Any], directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """hf_model_fields of a config.json already read (or of the one a GGUF's metadata stands for:
-    ablate.checkpoints.gguf_families)."""
+    ablate.checkpoints.gguf_metadata); `directory` is what every message names: the checkpoint
+    directory, or the .gguf file."""
     model_type = config["model_type"]
     gemma = model_type in GEMMA_MODEL_TYPES        # GeGLU and more: ablate.checkpoints.gemma
     if not gemma and config.get("hidden_act", "silu") != "silu":
@@ -174,7 +175,7 @@ def window_fields(config: dict[str, Any], directory: Path) -> dict[str, Any]:
     if model_type not in (*_ALL_LAYERS_SLIDE, *_USE_SLIDING_WINDOW, *GEMMA_MODEL_TYPES) or window is None:
         return {"sliding_window": 0, "window_layers": None}
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise CheckpointError(f"{directory / 'config.json'}: sliding_window must be a whole number > 0 or null, "
+        raise CheckpointError(f"{directory}: sliding_window must be a whole number > 0 or null, "
                               f"got {window!r}")
     if model_type in _ALL_LAYERS_SLIDE:
         return {"sliding_window": window, "window_layers": None}
@@ -188,7 +189,7 @@ def window_fields(config: dict[str, Any], directory: Path) -> dict[str, Any]:
             layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
     known = ("sliding_attention", "full_attention")
     if not isinstance(layer_types, list) or len(layer_types) != n_layers or any(t not in known for t in layer_types):
-        raise CheckpointError(f"{directory / 'config.json'}: layer_types must list {n_layers} values, each one of "
+        raise CheckpointError(f"{directory}: layer_types must list {n_layers} values, each one of "
                               f"{', '.join(known)}; got {layer_types!r}")
     sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
     return {"sliding_window": window if sliding else 0, "window_layers": sliding if sliding else None}

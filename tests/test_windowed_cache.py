@@ -10,7 +10,7 @@ its bytes the rows it keeps, equal to ModelConfig.kv_bytes_at for the live ones.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -19,6 +19,7 @@ from ablate.api import BuildContext, KVSpec, PaddedKV, causal_mask
 from ablate.api.context import EngineConfig
 from ablate.api.sequence import Request, Sequence
 from ablate.api.step import Batch
+from ablate.baselines.naive_attention import NaiveAttention, NaiveAttentionConfig
 from ablate.checkpoints import load_model
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.engine.teacher import teacher_forced_logits
@@ -274,3 +275,28 @@ def test_an_arms_perplexity_with_a_context_longer_than_its_steps_runs_through_a_
     logits = hf_logits(hf)(text)[19:-1]                                          # rows predicting 20 .. 47
     expected = torch.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(text[20:]))).item()
     assert ours == pytest.approx(expected, rel=1e-4)
+
+
+@dataclass
+class MaskByRowConfig(NaiveAttentionConfig):
+    name: str = "mask_by_row"
+
+
+class MaskByRow(NaiveAttention):
+    """A third party's windowed attention from before rings: its mask reads rows as positions."""
+
+    name = "mask_by_row"
+    config_class = MaskByRowConfig
+    reads_key_rings = False
+
+    def __call__(self, q, view, step, layer=None):
+        assert view.ring == 0, "handed a ring it cannot mask"
+        return super().__call__(q, view, step, layer)
+
+
+def test_an_attention_plugin_that_does_not_read_rings_gets_every_position(pairs, registry, expected):
+    model, _ = pairs("gemma2")
+    built = build(registry.with_plugins(MaskByRow), model,
+                  {"kv_cache": "contiguous", "attention": "mask_by_row", "scheduler": CHUNKED}, 8)
+    assert ring_of(built) == 0
+    assert outputs(built.engine.run(requests(PROMPTS, NEW_TOKENS))) == expected("gemma2")

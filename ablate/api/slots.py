@@ -59,6 +59,10 @@ class Attention(Plugin):
     graph_safe: ClassVar[bool] = False
     # the LayerAttention features __call__ computes when passed a layer: "sliding_window", "softcap"
     features: ClassVar[frozenset[str]] = frozenset()
+    # True: masks a PaddedKV whose rows are a ring (view.ring > 0: a windowed layer's cache keeping
+    # only its window) by its rows' positions, causal_mask(step, num_keys, window, view.ring). A cache
+    # keeps every position for a plugin that does not say so, whose mask would read rows as positions
+    reads_key_rings: ClassVar[bool] = False
 
     @classmethod
     def missing_features(cls, layers: ListOf[LayerAttention | None]) -> str | None:

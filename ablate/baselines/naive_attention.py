@@ -21,6 +21,7 @@ class NaiveAttention(Attention):
     config_class = NaiveAttentionConfig
     graph_safe = True     # view.padded and causal_mask read a captured step's lengths from kv_lens_t
     features = frozenset({"sliding_window", "softcap"})
+    reads_key_rings = True   # causal_mask(..., view.ring)
 
     def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs,
                  layer: LayerAttention | None = None) -> torch.Tensor:

@@ -185,8 +185,12 @@ def build_arm(arm: Arm, model: LlamaModel, engine: EngineConfig, max_seq_len: in
     variant: ModelVariant = make(Slot.MODEL, BuildContext(model, KVSpec.of(model, engine, max_seq_len), engine))
     with blame(variant, "apply"):
         model = variant.apply(model)
-    ctx = BuildContext(model, KVSpec.of(model, engine, max_seq_len), engine)
-    check_attention_features(registry.get(Slot.ATTENTION, arm.plugins[Slot.ATTENTION].name), model)
+    attention_class = registry.get(Slot.ATTENTION, arm.plugins[Slot.ATTENTION].name)
+    check_attention_features(attention_class, model)
+    spec = KVSpec.of(model, engine, max_seq_len)
+    if not attention_class.reads_key_rings:      # its mask would take a ring's rows for positions
+        spec = replace(spec, windows=())
+    ctx = BuildContext(model, spec, engine)
     kv_cache: KVCache = make(Slot.KV_CACHE, ctx)
     ctx._kv_cache = kv_cache
     attention: Attention = make(Slot.ATTENTION, ctx)

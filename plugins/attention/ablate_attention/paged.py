@@ -114,6 +114,7 @@ class PagedAttention(Attention):
     graph_safe = True     # the decode kernels and the gather read lengths and block tables from tensors
     # in the block-table gather: a layer with a window or soft-capped scores never reaches the kernels
     features = frozenset({"sliding_window", "softcap"})
+    reads_key_rings = True   # causal_mask(..., view.ring)
     requires = (Requirement(Slot.KV_CACHE, frozenset({"paged"}), "reads K/V through block tables"),)
     reported_stats = (Stat("backends", "the implementation that ran, per kind of step", "text", "first"),
                       Stat("decode_timings", "decode kernels timed in this arm (backend=auto, once per kind of "

@@ -47,6 +47,7 @@ class SDPAAttention(Attention):
     config_class = SDPAConfig
     graph_safe = True     # a captured decode step reads every row's capacity, masked by kv_lens_t
     features = frozenset({"sliding_window", "softcap"})
+    reads_key_rings = True   # causal_mask(..., view.ring)
     reported_stats = (Stat("backends", "the implementation that ran, per kind of step", "text", "first"),)
 
     def __init__(self, config: SDPAConfig, ctx) -> None:

@@ -182,6 +182,15 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def layer_subset(self, layers: list[int], name: str) -> ModelConfig:
+        """The config of a model that runs only `layers` of this one, in order (a self-speculative
+        draft): the fields that name layers by index (window_layers, dense_layers) renumbered, so its
+        layer i is what layer layers[i] is here."""
+        def renumbered(indices: list[int] | None) -> list[int] | None:
+            return None if indices is None else [new for new, old in enumerate(layers) if old in indices]
+        return replace(self, n_layers=len(layers), window_layers=renumbered(self.window_layers),
+                       dense_layers=renumbered(self.dense_layers), name=name)
+
     def layer_attention(self, layer: int) -> LayerAttention | None:
         """What `layer`'s attention adds to the plain one (window, soft-cap), or None: plain."""
         window, softcap = self.layer_window(layer), self.attn_softcap or None

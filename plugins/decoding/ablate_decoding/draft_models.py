@@ -60,7 +60,7 @@ def load_draft_model(name_or_path: str, target: LlamaModel, overrides: dict[str,
 def layer_subset(target: LlamaModel, layers: list[int], label: str) -> LlamaModel:
     """A model that runs only `layers` of the target, in order, then the target's final norm and LM
     head. It shares the target's tensors: built on the meta device, then given them by assignment."""
-    cfg = replace(target.config, n_layers=len(layers), name=f"{target.config.name}[{label}]")
+    cfg = target.config.layer_subset(layers, f"{target.config.name}[{label}]")
     with torch.device("meta"):
         model = LlamaModel(cfg)
     state = {name: t for name, t in target.state_dict().items() if not name.startswith("layers.")}

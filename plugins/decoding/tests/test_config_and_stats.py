@@ -97,6 +97,27 @@ def test_layer_subset_shares_the_target_weights(target):
     assert draft.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
 
 
+@pytest.mark.parametrize("layers", [[0], [1], [1, 2], [0, 2, 3], [3]])
+@pytest.mark.parametrize("shape", [
+    {"sliding_window": 8, "window_layers": [0, 2]},               # alternating windows (Gemma 2)
+    {"sliding_window": 8, "window_layers": None},                 # every layer slides (Mistral)
+    {"sliding_window": 8, "window_layers": [1, 2, 3], "rope_local_base": 10_000.0},   # Gemma 3's local RoPE
+    {"name": "moe-tiny", "n_layers": 4, "dense_layers": [0, 3]},  # dense layers between MoE ones
+])
+def test_a_layer_subset_keeps_what_each_of_its_layers_is(layers, shape):
+    """A self-speculative draft running layers [a, b, ...] of the target: its layer i slides, caps
+    and routes exactly as the target's layer layers[i] (fields that name layers are renumbered)."""
+    from ablate.model.llama import LlamaModel
+
+    fields = dict(shape)
+    target = preset(fields.pop("name", "tiny"), **{"n_layers": 4, **fields})
+    draft = layer_subset(LlamaModel.random(target), layers, "draft").config
+    assert draft.n_layers == len(layers)
+    for new, old in enumerate(layers):
+        assert draft.layer_attention(new) == target.layer_attention(old)
+        assert draft.is_moe_layer(new) == target.is_moe_layer(old)
+
+
 def test_stats_arithmetic():
     stats = SpeculativeStats(k=4)
     stats.record_verification(0, 4, 4, 5)    # all accepted, bonus token

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ablate.model import native
+from ablate.model import native, numpy_blas
 from ablate.model.presets import preset
 import ablate.model.linear as linear
 import ablate.model.path_timing as path_timing
@@ -46,6 +46,25 @@ def test_a_path_follows_in_place_edits_of_the_weight(path, rows):
     with torch.inference_mode():
         got = layer(x)
     torch.testing.assert_close(got, F.linear(x, layer.weight.detach()), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", [MKL, "auto",
+                                  pytest.param(ONEDNN, marks=pytest.mark.skipif(torch.float32 not in PACKABLE,
+                                                                                reason="no oneDNN")),
+                                  pytest.param(NATIVE, marks=pytest.mark.skipif(not native.available(),
+                                                                                reason="no native kernels")),
+                                  pytest.param("numpy", marks=pytest.mark.skipif(
+                                      numpy_blas.unavailable_reason(1) is not None, reason="no BLAS to bind"))])
+@pytest.mark.parametrize("shape", [(0, 48), (2, 0, 48)])
+def test_a_product_of_no_rows_is_empty_on_every_path(path, shape):
+    """A step whose sequences need no logits (a chunk of a prompt) hands the head no rows: whatever
+    path its kind took, the product is an empty tensor of the right shape, not an error."""
+    layer = Linear(48, 80, bias=True)
+    PRODUCT_PATHS.force(path)
+    with torch.inference_mode():
+        layer(torch.randn(1, 48))                        # the one-row kind is settled first
+        got = layer(torch.randn(*shape))
+    assert got.shape == (*shape[:-1], 80)
 
 
 def test_loaded_model_is_input_major_and_still_tied():

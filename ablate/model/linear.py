@@ -125,8 +125,8 @@ class Linear(nn.Linear):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if w.device.type != "cpu" or w.dtype not in PACKABLE or x.dtype != w.dtype:
-            return F.linear(x, w, self.bias)
+        if w.device.type != "cpu" or w.dtype not in PACKABLE or x.dtype != w.dtype or x.numel() == 0:
+            return F.linear(x, w, self.bias)     # (no rows: a step whose sequences need no logits)
         lent = PRODUCT_PATHS.lent
         if lent is not None and x.numel() == x.shape[-1]:
             return self._numpy(x)                          # a one-row step lent to numpy's BLAS

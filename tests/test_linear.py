@@ -185,18 +185,22 @@ def test_bf16_products_of_many_rows_are_timed_on_one_layer(monkeypatch):
 
 @pytest.mark.skipif(torch.bfloat16 not in PACKABLE, reason="oneDNN cannot pack bf16 on this CPU")
 def test_a_losing_onednn_path_keeps_the_packed_copies_other_row_classes_use(monkeypatch):
-    layers = [Linear(48, 80, bias=False, dtype=torch.bfloat16) for _ in range(2)]
-    threads = torch.get_num_threads()
+    layer = Linear(48, 80, bias=False, dtype=torch.bfloat16)
+    monkeypatch.setattr(path_timing, "median_seconds", clock_favouring((linear.ROW_MAJOR, MKL), [
+        (linear.ROW_MAJOR, MKL), (linear.ROW_MAJOR, ONEDNN)]))
     with torch.inference_mode():
-        PRODUCT_PATHS.keep((80, 48, torch.bfloat16, 2, threads), ONEDNN)    # the 17-128-row products use the copies
-        layers[1]._onednn(torch.randn(20, 48, dtype=torch.bfloat16))
-        monkeypatch.setattr(path_timing, "median_seconds", clock_favouring((linear.ROW_MAJOR, MKL), [
-            (linear.ROW_MAJOR, MKL), (linear.ROW_MAJOR, ONEDNN)]))
-        layers[0](torch.randn(2, 48, dtype=torch.bfloat16))               # MKL wins the 2-16-row timing
-        assert layers[1]._packed is not None and layers[0]._packed is not None
+        PRODUCT_PATHS.force({"2-16": ONEDNN})
+        layer(torch.randn(2, 48, dtype=torch.bfloat16))          # the 2-16-row products use the copy
+        layer(torch.randn(20, 48, dtype=torch.bfloat16))         # MKL wins the 17-128-row timing
+        assert layer._packed is not None
         PRODUCT_PATHS.reset()
-        layers[0](torch.randn(2, 48, dtype=torch.bfloat16))               # now nothing else uses them
-    assert layers[0]._packed is None and layers[1]._packed is None
+        layer(torch.randn(20, 48, dtype=torch.bfloat16))         # now nothing else uses it
+    assert layer._packed is None
+
+
+def test_bf16_products_of_a_few_rows_never_time_a_copy():
+    """Up to 16 rows a product is bound by reading W: oneDNN's copy is not among its candidates."""
+    assert all(path != ONEDNN for _, path in path_timing.candidates(torch.bfloat16, 1, None))
 
 
 # -- forcing and forgetting the choices (PRODUCT_PATHS.force, reset) ---------------------------------

@@ -57,19 +57,35 @@ def test_rms_norm_computes_torchs(shape):
 
 
 @needs_native
+@pytest.mark.parametrize("shape", [(1, 576), (3, 576), (16, 100), (1, 1, 7)])
+def test_bf16_rms_norm_computes_the_models_bf16_norm(shape):
+    """Normalised in fp32, rounded to bf16, times the weight in bf16: the model's own bf16 RMSNorm, to
+    within one bf16 rounding (its sum of squares may run in another order)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape[-1], dtype=torch.bfloat16)
+    want = (F.rms_norm(x.float(), shape[-1:], eps=1e-5).to(torch.bfloat16) * w).float()
+    got = native.rms_norm(x, w, 1e-5)
+    assert got.dtype == torch.bfloat16
+    assert bool(((got.float() - want).abs() <= 2.0 ** -7 * want.abs()).all())
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, native.SMALL_ROWS, native.SMALL_ROWS + 1])
-def test_rmsnorm_takes_the_kernel_for_a_few_rows_only(rows, monkeypatch):
+def test_rmsnorm_takes_the_kernel_for_a_few_rows_only(rows, dtype, monkeypatch):
     calls = []
     kernel = native.rms_norm
     monkeypatch.setattr(native, "rms_norm", lambda *args: calls.append(1) or kernel(*args))
-    norm = RMSNorm(24, 1e-6)
+    norm = RMSNorm(24, 1e-6).to(dtype)
     with torch.no_grad():
         norm.weight.normal_()
-    x = torch.randn(rows, 24)
+    x = torch.randn(rows, 24, dtype=dtype)
     with torch.inference_mode():
         got = norm(x)
     assert len(calls) == (rows <= native.SMALL_ROWS)
-    torch.testing.assert_close(got, F.rms_norm(x, (24,), norm.weight.detach(), 1e-6), atol=1e-5, rtol=1e-5)
+    want = F.rms_norm(x.float(), (24,), eps=1e-6).to(dtype) * norm.weight.detach()
+    tolerance = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
 
 
 @needs_native

@@ -9,8 +9,8 @@ One copy of the weights: each path but oneDNN reads W where the model holds it, 
 is laid out for the path chosen: row-major (d_out, d_in), or input-major (the same values with W^T
 contiguous, which MKL's gemv streams fastest on some machines). A change of layout is made in place,
 one layer at a time, so the model never holds W twice. oneDNN's blocked layout is a copy beside W, so
-it is timed only for bf16, whose products need it to reach the CPU's bf16 units; for fp32 it runs only
-when forced (copy_bytes counts it; every run's weight_copy_bytes column shows it).
+it is timed only for bf16 products of more than 16 rows, which need it to reach the CPU's bf16 units;
+otherwise it runs only when forced (copy_bytes counts it; every run's weight_copy_bytes column shows it).
 
 Keyed by what: one path per kind of product, (d_out, d_in, dtype, row class, torch threads), and one
 layout per (d_out, d_in, dtype). The row classes are 1 row (a decode step at batch 1), 2-16 (a

@@ -15,8 +15,10 @@ from ablate.model import native, numpy_blas
 from ablate.model.product_paths import (INPUT_MAJOR, MKL, NATIVE, NUMPY, ONEDNN, PRODUCT_PATHS, ROW_MAJOR,
                                         STREAMED_CLASS)
 
-# dtypes whose products time oneDNN, a copy of W beside it: bf16, whose products reach the CPU's bf16
-# units (AMX, AVX512-BF16) through it; fp32 has paths as fast that read W in place (docs/cpu-products.md)
+# dtypes whose products past 16 rows time oneDNN, a copy of W beside it: bf16, whose compute-bound
+# products reach the CPU's bf16 units (AMX, AVX512-BF16) through it. Products of up to 16 rows are bound
+# by reading W, which no unit speeds up, and fp32 has paths as fast that read W in place
+# (docs/cpu-products.md): for those oneDNN runs only when forced.
 ONEDNN_TIMED = (torch.bfloat16,)
 
 
@@ -53,8 +55,6 @@ def candidates(dtype: torch.dtype, rows: int, held: str | None) -> list[tuple[st
         pairs.append((layout, MKL))
         if layout == ROW_MAJOR and native_takes(dtype, rows):
             pairs.append((layout, NATIVE))
-        if layout == ROW_MAJOR and dtype in ONEDNN_TIMED:
-            pairs.append((layout, ONEDNN))
     return pairs
 
 

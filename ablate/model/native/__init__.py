@@ -14,8 +14,8 @@ Their tests: tests/test_native.py.
 """
 from ablate.model.native.attention import MAX_TASK_FLOATS, paged_decode_attention, paged_decode_problem
 from ablate.model.native.build import LIBRARY, DamagedCache, available, library, state, unavailable_reason
-from ablate.model.native.steps import MATVEC_DTYPES, SMALL_ROWS, matvec, rms_norm, rope, silu_mul, takes
+from ablate.model.native.steps import MATVEC_DTYPES, NORM_DTYPES, SMALL_ROWS, matvec, rms_norm, rope, silu_mul, takes
 
-__all__ = ["LIBRARY", "MATVEC_DTYPES", "MAX_TASK_FLOATS", "SMALL_ROWS", "DamagedCache", "available", "library", "matvec",
+__all__ = ["LIBRARY", "MATVEC_DTYPES", "MAX_TASK_FLOATS", "NORM_DTYPES", "SMALL_ROWS", "DamagedCache", "available", "library", "matvec",
            "paged_decode_attention", "paged_decode_problem", "rms_norm", "rope", "silu_mul", "state", "takes",
            "unavailable_reason"]

@@ -111,6 +111,20 @@ void rms_norm(const float *x, const float *w, float *y, long rows, long n, float
     }
 }
 
+/* The same for bf16 x and w, as the model's bf16 RMSNorm computes it: x normalised in fp32, rounded to
+ * bf16, then times w rounded again (a bf16 product) */
+void rms_norm_bf16(const bf16 *x, const bf16 *w, bf16 *y, long rows, long n, float eps) {
+    for (long t = 0; t < rows; t++) {
+        const bf16 *xt = x + t * n;
+        bf16 *yt = y + t * n;
+        float squares = 0.0f;
+        for (long i = 0; i < n; i++) squares += bf16_to_float(xt[i]) * bf16_to_float(xt[i]);
+        float scale = 1.0f / sqrtf(squares / (float)n + eps);
+        for (long i = 0; i < n; i++)
+            yt[i] = float_to_bf16(bf16_to_float(w[i]) * bf16_to_float(float_to_bf16(bf16_to_float(xt[i]) * scale)));
+    }
+}
+
 /* RoPE, rotate-half layout, over x (rows, heads, D) with cos, sin (rows, D), D = 2 half:
  * y[i] = x[i] cos[i] - x[i + half] sin[i],  y[i + half] = x[i + half] cos[i + half] + x[i] sin[i + half] */
 void rope(const float *x, const float *cosines, const float *sines, float *y, long rows, long heads, long dim) {

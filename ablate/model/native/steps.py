@@ -21,10 +21,11 @@ from ablate.model.native.build import available, library
 SMALL_ROWS = 16
 
 
-def takes(x: torch.Tensor) -> bool:
-    """Whether the elementwise kernels (rms_norm, rope, silu_mul) take x, tokens first: fp32 on the
-    CPU, at most SMALL_ROWS tokens, outside torch.compile (which cannot trace a ctypes call), built."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] <= SMALL_ROWS
+def takes(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether the elementwise kernels (rms_norm, rope, silu_mul) take x, tokens first: of `dtypes`
+    (fp32; rms_norm: NORM_DTYPES) on the CPU, at most SMALL_ROWS tokens, outside torch.compile (which
+    cannot trace a ctypes call), built."""
+    return (x.dtype in dtypes and x.device.type == "cpu" and x.shape[0] <= SMALL_ROWS
             and not torch.compiler.is_compiling() and available())
 
 
@@ -59,11 +60,20 @@ def matvec(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, threads:
     return y
 
 
+NORM_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dimension: fp32 CPU tensors, weight contiguous."""
-    x = x.contiguous()
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension: CPU tensors of one of NORM_DTYPES,
+    weight contiguous (bf16: normalised in fp32, rounded, then times the weight in bf16, as the model's
+    own bf16 RMSNorm)."""
+    if x.dtype not in NORM_DTYPES or weight.dtype != x.dtype or weight.numel() != x.shape[-1]:
+        raise ValueError(f"native rms_norm: x {tuple(x.shape)} {x.dtype} and a weight of {weight.numel()} "
+                         f"{weight.dtype}: expected one of {NORM_DTYPES} for both and a weight of {x.shape[-1]}")
+    x, weight = x.contiguous(), weight.contiguous()
     y = torch.empty_like(x)
-    library().rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps)
+    kernel = library().rms_norm if x.dtype == torch.float32 else library().rms_norm_bf16
+    kernel(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps)
     return y
 
 

@@ -300,3 +300,33 @@ def test_an_attention_plugin_that_does_not_read_rings_gets_every_position(pairs,
                   {"kv_cache": "contiguous", "attention": "mask_by_row", "scheduler": CHUNKED}, 8)
     assert ring_of(built) == 0
     assert outputs(built.engine.run(requests(PROMPTS, NEW_TOKENS))) == expected("gemma2")
+
+
+@pytest.mark.parametrize("window_layers", [None, [0, 2], [3], []])
+def test_the_cost_model_counts_the_keys_each_layer_sees(window_layers):
+    """The roofline's FLOPs and bytes (ablate.analysis.analytic) against a count query by query: a
+    windowed layer's query at position p sees min(p + 1, W) keys, and a step reads, of the keys before
+    it, those its first query's window reaches (the union of its queries' windows)."""
+    import random
+
+    from ablate.analysis.analytic import CostModel
+    from ablate.model.presets import preset
+
+    cfg = preset("tiny", n_layers=4, sliding_window=5, window_layers=window_layers)
+    model = CostModel(cfg, keeps_kv=True)
+    rng = random.Random(0)
+    for _ in range(50):
+        query_lens = [rng.randint(1, 9) for _ in range(rng.randint(1, 3))]
+        context_lens = [q + rng.randint(0, 20) for q in query_lens]
+        attended = history = 0
+        for layer in range(cfg.n_layers):
+            window = cfg.layer_window(layer) or 10**9
+            for q, c in zip(query_lens, context_lens):
+                seen = {j for p in range(c - q, c) for j in range(max(0, p - window + 1), p + 1)}
+                attended += sum(min(p + 1, window) for p in range(c - q, c))
+                history += sum(1 for j in seen if j < c - q)
+        cost = model.step(query_lens, context_lens, num_logits=len(query_lens))
+        tokens = sum(query_lens)
+        assert cost.flops == (2 * model.linear_params * tokens + 4 * cfg.n_heads * cfg.head_dim * attended
+                              + 2 * model.head_params * len(query_lens))
+        assert cost.bytes == pytest.approx(model.weight_bytes + (history / cfg.n_layers + tokens) * model.kv_token_bytes)

@@ -252,3 +252,18 @@ def test_rejected_drafts_are_forgotten_as_if_never_written(kv_cache, build, tiny
     whole.kv_cache.allocate(whole_seq, len(prompt) + len(draft))
     whole_logits = whole.engine.runner.forward(Batch([whole_seq], [len(prompt) + len(draft)])).logits
     torch.testing.assert_close(out.logits[-1:], whole_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged", "none"])
+def test_an_arm_for_longer_sequences_than_the_model_is_refused_naming_both(kv_cache, tiny_model, registry):
+    """Positions past model.max_seq_len have no RoPE rows: asking an arm for longer sequences is one
+    message naming both lengths and what to change, not an IndexError mid-run."""
+    from ablate.api.context import EngineConfig
+    from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
+
+    arm = resolve_arm("long", {"kv_cache": kv_cache}, baseline_configs(registry), registry)
+    longest = tiny_model.config.max_seq_len
+    build_arm(arm, tiny_model, EngineConfig(), longest, registry).close()
+    with pytest.raises(ValueError, match=rf"^sequences of up to {longest + 1} tokens cannot run on model 'tiny', "
+                                         rf"built for {longest} \(model.max_seq_len\): raise model.max_seq_len"):
+        build_arm(arm, tiny_model, EngineConfig(), longest + 1, registry)

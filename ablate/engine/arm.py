@@ -176,6 +176,10 @@ def build_arm(arm: Arm, model: LlamaModel, engine: EngineConfig, max_seq_len: in
               hooks_for=lambda kv_cache: ()) -> BuiltArm:
     """Instantiate the arm's plugins around `model` (weights shared between arms), in the order
     BuildContext documents: variant, kv_cache, attention, decoding, scheduler."""
+    if max_seq_len > model.config.max_seq_len:     # positions past it have no RoPE rows
+        raise ValueError(f"sequences of up to {max_seq_len} tokens cannot run on model {model.config.name!r}, built "
+                         f"for {model.config.max_seq_len} (model.max_seq_len): raise model.max_seq_len (up to "
+                         "the checkpoint's context length) or shorten the workload")
     engine = replace(engine, **arm.engine_overrides)
     def make(slot: Slot, ctx: BuildContext) -> Plugin:
         config = arm.plugins[slot]

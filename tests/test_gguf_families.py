@@ -4,28 +4,21 @@ llama.cpp's layout by llama.cpp itself (llama-cpp-python, in a subprocess: a cra
 take pytest down), then loaded by ablate and compared with transformers on the source model: logits
 and greedy tokens through the engine.
 
-Each case's overrides are what a GGUF can say: llama.cpp fixes Gemma's query scale at
-1/sqrt(head_dim) and Gemma 3's full layers at one in six, makes every Qwen2-MoE layer sparse, needs
-an expert count on DeepSeek's dense models, and knows V2-Lite (no q_lora_rank) by its 27 layers.
-The DeepSeek-V2 MoE case routes without expert groups: with V2's groups (group_limited_greedy)
-llama.cpp 0.3.36's logits differ from transformers' by 2.5% of their spread (ablate follows transformers).
+The cases, and what each changes to what a GGUF can say: ablate.testing.gguf_cases.
 """
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
-import torch
 
 from ablate.checkpoints import load_model
 from ablate.measure.quality import sequence_logits
+from ablate.testing.gguf_cases import CASES, case_model, llama_cpp_logits, spread_error
 from ablate.testing.gguf_writer import write_gguf
-from ablate.testing.hf_models import DEEPSEEK_YARN, build_hf, greedy, hf_logits, pretrained, random_prompt
+from ablate.testing.hf_models import greedy, hf_logits, pretrained, random_prompt
 
 pytest.importorskip("transformers")
 
@@ -33,54 +26,8 @@ TOL = 1e-3              # max |logit difference| / the logits' spread, fp32
 NEW_TOKENS = 16
 PROMPT = random_prompt(12)
 
-# case -> (random model kind, its config fields changed to what the GGUF can say)
-CASES: dict[str, tuple[str, dict]] = {
-    "llama": ("llama-untied", {}),
-    "qwen2": ("qwen2", {}),
-    "qwen3": ("qwen3", {}),
-    "phi3": ("phi3", {}),
-    "gemma2": ("gemma2", dict(query_pre_attn_scalar=16)),
-    "gemma3": ("gemma3", dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16)),
-    "mixtral": ("mixtral", {}),
-    "qwen2-moe": ("qwen2-moe", dict(mlp_only_layers=[])),
-    "qwen3-moe": ("qwen3-moe", {}),
-    "deepseek-v2": ("deepseek-v2", dict(num_experts_per_tok=2)),
-    "deepseek-v2-lite": ("deepseek-v2-lite", dict(num_experts_per_tok=2, num_hidden_layers=27)),
-    "deepseek-v2-moe": ("deepseek-v2-moe", dict(topk_method="greedy", n_group=None, topk_group=None)),
-    "deepseek-v3-moe": ("deepseek-v3-moe", {}),
-    "deepseek-v3-yarn": ("deepseek-v3-yarn", dict(rope_scaling=dict(DEEPSEEK_YARN, mscale=0.8))),
-}
-
-
 # llama.cpp takes ~3 s a file to start: two families by default, the rest slow
 LLAMA_CPP_DEFAULT = ("qwen2-moe", "deepseek-v3-moe")
-
-
-def _model(case: str) -> torch.nn.Module:
-    kind, fields = CASES[case]
-    return build_hf(kind, **fields)
-
-
-def _spread_error(got: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.abs(got - expected).max() / (expected.max() - expected.min()))
-
-
-# llama.cpp's logits for a token list: run in a child process (an abort in ggml kills only it)
-LLAMA_CPP = """
-import sys, numpy as np
-from llama_cpp import Llama
-tokens = [int(t) for t in sys.argv[3].split(",")]
-llm = Llama(model_path=sys.argv[1], logits_all=True, n_ctx=64, n_threads=1, verbose=False)
-llm.eval(tokens)
-np.save(sys.argv[2], np.array(llm.scores[:len(tokens)], dtype=np.float32))
-"""
-
-
-def llama_cpp_logits(path: Path, tokens: list[int], out: Path) -> np.ndarray:
-    run = subprocess.run([sys.executable, "-c", LLAMA_CPP, str(path), str(out), ",".join(map(str, tokens))],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"llama.cpp failed on {path.name} (exit {run.returncode}): {run.stderr[-2000:]}"
-    return np.load(out)
 
 
 needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
@@ -94,20 +41,20 @@ needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is No
 def test_llama_cpp_runs_the_written_gguf_as_transformers_runs_the_model(case, split_kv_b, tmp_path):
     """The writer is llama.cpp's layout: llama.cpp 0.3.36 gives transformers' logits from its file
     (DeepSeek's in both of its converters' layouts)."""
-    hf = _model(case)
+    hf = case_model(case)
     path = write_gguf(hf, tmp_path / f"{case}.gguf", split_kv_b=split_kv_b)
     expected = hf_logits(hf)(PROMPT).numpy()
-    assert _spread_error(llama_cpp_logits(path, PROMPT, tmp_path / "logits.npy"), expected) < TOL
+    assert spread_error(llama_cpp_logits(path, PROMPT, tmp_path / "logits.npy"), expected) < TOL
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_ablate_reads_the_gguf_as_transformers_runs_the_model(case, build, make_requests, tmp_path):
     """Logits within 1e-3 of their spread, and greedy tokens identical through the engine."""
-    hf = _model(case)
+    hf = case_model(case)
     model = load_model(pretrained(write_gguf(hf, tmp_path / f"{case}.gguf")))
     assert model.checkpoint_notes["format"] == "gguf"
     expected = hf_logits(hf)(PROMPT)
-    assert _spread_error(sequence_logits(model, PROMPT).float().numpy(), expected.numpy()) < TOL
+    assert spread_error(sequence_logits(model, PROMPT).float().numpy(), expected.numpy()) < TOL
     request = make_requests([len(PROMPT)], [NEW_TOKENS])[0]
     request = type(request)(request.request_id, tuple(PROMPT), NEW_TOKENS, request.sampling, ())
     (seq,) = build({"kv_cache": "contiguous"}, model, record=False).engine.run([request])
@@ -117,9 +64,9 @@ def test_ablate_reads_the_gguf_as_transformers_runs_the_model(case, build, make_
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["deepseek-v2", "deepseek-v3-moe"])
 def test_deepseek_kv_b_split_by_newer_converters_is_joined_back(case, tmp_path):
-    hf = _model(case)
+    hf = case_model(case)
     model = load_model(pretrained(write_gguf(hf, tmp_path / f"{case}.gguf", split_kv_b=True)))
-    assert _spread_error(sequence_logits(model, PROMPT).float().numpy(), hf_logits(hf)(PROMPT).numpy()) < TOL
+    assert spread_error(sequence_logits(model, PROMPT).float().numpy(), hf_logits(hf)(PROMPT).numpy()) < TOL
 
 
 # ---- bad input ------------------------------------------------------------------------------------
@@ -134,7 +81,7 @@ def test_a_missing_or_misshaped_tensor_is_named(case, name, fault, tmp_path):
             return array
         return None if fault == "drop" else array[..., :-1].copy()
 
-    path = write_gguf(_model(case), tmp_path / "bad.gguf", edit=edit)
+    path = write_gguf(case_model(case), tmp_path / "bad.gguf", edit=edit)
     with pytest.raises(ValueError) as e:
         load_model(pretrained(path))
     assert str(path) in str(e.value) and repr(name) in str(e.value)
@@ -143,7 +90,7 @@ def test_a_missing_or_misshaped_tensor_is_named(case, name, fault, tmp_path):
 
 def test_a_tensor_holding_nan_is_named(tmp_path):
     name = "blk.0.ffn_gate_exps.weight"
-    path = write_gguf(_model("mixtral"), tmp_path / "nan.gguf",
+    path = write_gguf(case_model("mixtral"), tmp_path / "nan.gguf",
                       edit=lambda n, a: np.where(np.arange(a.size).reshape(a.shape) == 5, np.nan, a).astype(np.float32)
                       if n == name else a)
     with pytest.raises(ValueError, match=rf"{name!r} holds 1 NaN"):
@@ -168,7 +115,7 @@ def test_an_unsupported_architecture_names_itself_and_the_supported_ones(tmp_pat
 
 
 def test_missing_metadata_names_the_key(tmp_path):
-    path = write_gguf(_model("qwen3"), tmp_path / "q.gguf")
+    path = write_gguf(case_model("qwen3"), tmp_path / "q.gguf")
     data = path.read_bytes()
     key = b"qwen3.attention.layer_norm_rms_epsilon"
     path.write_bytes(data.replace(key, b"qwen3.attention.layer_norm_rms_epsiloX"))   # same length: still a GGUF

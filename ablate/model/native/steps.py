@@ -54,7 +54,7 @@ def matvec(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, threads:
     if w.dtype == torch.float32:
         library().matvec(w.data_ptr(), x.data_ptr(), b, y.data_ptr(), rows, d_out, d_in, threads)
     else:
-        scratch = torch.empty(rows * d_in + d_out + rows * d_out, dtype=torch.float32)
+        scratch = torch.empty(rows * d_in + d_out + rows * d_out, dtype=torch.float32, device="cpu")
         library().matvec_bf16(w.data_ptr(), x.data_ptr(), b, y.data_ptr(), scratch.data_ptr(), rows, d_out, d_in,
                               threads)
     return y

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ablate.api import (BuildContext, KVBudgetConfig, KVCache, KVSpec, PaddedKV, PluginError, RowBuffers, Sequence,
-                        Stat, StepInputs, budget_bytes, device_tensor, free_memory_bytes)
+                        Stat, StepInputs, budget_bytes, free_memory_bytes)
 
 
 def check_pool_fits(cache: str, pool_bytes: int, seq_bytes: int, spec: KVSpec, config: KVBudgetConfig,
@@ -150,22 +150,21 @@ class SlotKVCache(RowBuffers, KVCache):
         slots = [self.slot_of[s.seq_id] for s in step.seqs]
         self.plan_rows(slots, step, [0] * len(slots))
         if self.ring:
-            self._plan_ring(slots, step)
+            self._plan_ring(step)
 
-    def _plan_ring(self, slots: list[int], step: StepInputs) -> None:
-        """step.plan's `ring_write_index` (T,): token at position p of the sequence in `slots[b]` goes to
-        row slot * ring + p mod ring of the flattened ring buffers. The ring holds what a step needs
-        only when no sequence feeds more tokens than the ring was sized for (the module's docstring)."""
+    def _plan_ring(self, step: StepInputs) -> None:
+        """step.plan's `ring_write_index` (T,): token at position p of the sequence in slot s goes to row
+        s * ring + p mod ring of the flattened ring buffers, derived on the device from `write_index`
+        (s * capacity + p: plan_rows). The ring holds what a step needs only when no sequence feeds more
+        tokens than the ring was sized for (the module's docstring)."""
         most = self.spec.max_step_tokens or self.spec.max_seq_len
         if max(step.query_lens) > most:
             raise PluginError(self, "prepare", f"a sequence feeds {max(step.query_lens)} tokens in one step, more "
                               f"than the {most} the windowed layers' rings were sized for (engine.max_num_batched_"
                               f"tokens, and speculative decoding's drafts + 1 within it): raise "
                               f"engine.max_num_batched_tokens to at least {max(step.query_lens)}")
-        ring = self.ring
-        index = [slot * ring + p % ring
-                 for slot, n, end in zip(slots, step.query_lens, step.context_lens) for p in range(end - n, end)]
-        step.plan["ring_write_index"] = device_tensor(index, torch.long, step.input_ids.device)   # (T,)
+        rows = step.plan["write_index"]                                            # (T,) s * capacity + p
+        step.plan["ring_write_index"] = rows // self.capacity * self.ring + rows % self.capacity % self.ring
         step.plan["ring_storage"] = (self.ring_k.data_ptr(), tuple(self.ring_k.shape))   # a captured graph's address
 
     def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -73,7 +73,7 @@ class KVSpec:
         max_seq_len)."""
         cfg = model.config
         heads, k_width, v_width = cfg.kv_cache_widths     # MLA: one latent row in K, nothing in V
-        windows = tuple(cfg.layer_window(i) for i in range(cfg.n_layers)) if hasattr(cfg, "layer_window") else ()
+        windows = tuple(cfg.layer_window(i) for i in range(cfg.n_layers))
         step = engine.max_num_batched_tokens if max_step_tokens is None else max_step_tokens
         return cls(cfg.n_layers, heads, k_width, v_width, cfg.torch_dtype,
                    next(model.parameters()).device, engine.max_num_seqs, max_seq_len,

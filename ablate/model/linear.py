@@ -181,8 +181,7 @@ class Linear(nn.Linear):
             return settle(layers, seconds)[1]
         if dtype not in ONEDNN_TIMED:
             return MKL
-        return settle([self], time_layouts([self], x, [(ROW_MAJOR, MKL), (ROW_MAJOR, ONEDNN)]),
-                       layout_too=False)[1]
+        return settle([self], time_layouts([self], x, [(ROW_MAJOR, MKL), (ROW_MAJOR, ONEDNN)]))[1]
 
     def _numpy(self, x: torch.Tensor) -> torch.Tensor:
         """y = x W^T + b through numpy's BLAS, on W as it lies (a view, not a copy)."""

@@ -45,7 +45,6 @@ def median_seconds(fn, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-
 def candidates(dtype: torch.dtype, rows: int, held: str | None) -> list[tuple[str, str]]:
     """The (layout, path) pairs a streamed product of this dtype and row class may take: on the layout
     `held` when the shape's is settled, else on each layout the dtype may take (fp32: both)."""
@@ -76,13 +75,12 @@ def time_layouts(layers: list, x: torch.Tensor, pairs: list[tuple[str, str]]) ->
     return seconds
 
 
-def settle(layers: list, seconds: dict[tuple[str, str], float], layout_too: bool = True) -> tuple[str, str]:
-    """The fastest (layout, path) of `seconds`: `layers` laid out for it and, with `layout_too`, the
-    shape's layout recorded; oneDNN copies made only for this timing are given back when it lost."""
+def settle(layers: list, seconds: dict[tuple[str, str], float]) -> tuple[str, str]:
+    """The fastest (layout, path) of `seconds`: `layers` laid out for it and the shape's layout recorded;
+    oneDNN copies made only for this timing are given back when it lost."""
     layout, path = min(seconds, key=seconds.get)
     lay_out_all(layers, layout)
-    if layout_too:
-        PRODUCT_PATHS.keep_layout(layers[0]._shape_key(), layout)
+    PRODUCT_PATHS.keep_layout(layers[0]._shape_key(), layout)
     if path != ONEDNN and not PRODUCT_PATHS.uses(layers[0]._shape_key(), ONEDNN):
         for m in layers:
             m._packed = m._packed_key = None

@@ -21,6 +21,7 @@ from ablate.checkpoints.gguf import read_gguf
 from ablate.measure.quality import sequence_logits
 from ablate.model.config import ModelConfig
 from ablate.model.presets import preset
+from ablate.testing.gguf_writer import write_gguf
 from ablate.testing.hf_models import greedy, hf_logits, SMALL, build_hf, save_hf
 
 transformers = pytest.importorskip("transformers")
@@ -85,64 +86,6 @@ def test_random_init_ignores_the_checkpoint():
 
 # ---- GGUF ---------------------------------------------------------------------------------------
 
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What convert_hf_to_gguf does to Q/K rows (the interleaved rotary layout)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-              "post_attention_layernorm": "ffn_norm"}
-
-
-def write_gguf(hf_model, path: Path, arch: str = "llama", drop: str | None = None,
-               reshape: str | None = None) -> Path:
-    """A Llama GGUF as llama.cpp writes one (F32, Q/K rows permuted) from a transformers model."""
-    cfg = hf_model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(10_000.0)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_array("tokenizer.ggml.token_type", [1, 3, 3, 1])
-    w.add_array("tokenizer.ggml.tokens", ["a", "<s>", "</s>", "\u0120b"])
-    w.add_bool("general.some_flag", True)
-    w.add_uint64("general.some_count", 2**40)
-    tensors = {}
-    for name, t in hf_model.state_dict().items():
-        a = t.float().numpy()
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if name.startswith("model.layers."):
-            _, _, i, *rest = name.split(".")
-            module = ".".join(rest[:-1])
-            if module == "self_attn.q_proj":
-                a = llama_cpp_permute(a, cfg.num_attention_heads)
-            elif module == "self_attn.k_proj":
-                a = llama_cpp_permute(a, cfg.num_key_value_heads)
-            gname = f"blk.{i}.{GGUF_NAMES[module]}.weight"
-        else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
-        tensors[gname] = a
-    for gname, a in tensors.items():
-        if gname == drop:
-            continue
-        if gname == reshape:
-            a = a[:-1]
-        w.add_tensor(gname, np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_gguf_matches_transformers(tied, tmp_path):
     """Q/K un-permutation, name mapping, reversed shapes and tied output, on a llama.cpp-style file."""
@@ -156,9 +99,28 @@ def test_gguf_matches_transformers(tied, tmp_path):
     assert greedy(ours(model), prompt, NEW_TOKENS) == greedy(hf_logits(hf), prompt, NEW_TOKENS)
 
 
-def test_gguf_header_parser_agrees_with_gguf_reader(tmp_path):
+def _edge_types_gguf(path: Path) -> Path:
+    """A GGUF whose metadata holds the types a converted model's may not: a bool, a uint64, an int64,
+    a float64, a nested string array."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_bool("general.some_flag", True)
+    w.add_uint64("general.some_count", 2**40)
+    w.add_int64("general.some_offset", -2**40)
+    w.add_float64("general.some_scale", 0.1)
+    w.add_array("tokenizer.ggml.tokens", ["a", "<s>", "</s>", "\u0120b"])
+    w.add_tensor("token_embd.weight", np.arange(32, dtype=np.float32).reshape(8, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("which", ["converted", "edge types"])
+def test_gguf_header_parser_agrees_with_gguf_reader(which, tmp_path):
     """Our struct parser (used for speed) reads what gguf.GGUFReader reads."""
-    path = write_gguf(build_hf("llama-untied"), tmp_path / "tiny.gguf")
+    path = (write_gguf(build_hf("llama-untied"), tmp_path / "tiny.gguf") if which == "converted"
+            else _edge_types_gguf(tmp_path / "edge.gguf"))
     ours_file, reference = read_gguf(path), gguf.GGUFReader(path)
     for key, field in reference.fields.items():
         if key.startswith("GGUF."):
@@ -228,7 +190,10 @@ def test_gguf_of_another_architecture(tmp_path):
 @pytest.mark.parametrize("fault", ["drop", "reshape"])
 def test_gguf_missing_or_misshaped_tensor(fault, tmp_path):
     name = "blk.1.ffn_up.weight"
-    path = write_gguf(build_hf("llama-untied"), tmp_path / "bad.gguf", **{fault: name})
+
+    def edit(gguf_name, array):
+        return array if gguf_name != name else None if fault == "drop" else array[:-1]
+    path = write_gguf(build_hf("llama-untied"), tmp_path / "bad.gguf", edit=edit)
     with pytest.raises(ValueError) as e:
         load_model(pretrained(path))
     assert str(path) in str(e.value) and repr(name) in str(e.value)

@@ -21,7 +21,7 @@ from ablate.engine.arm import IncompatiblePlugins, check_attention_features
 from ablate.measure.quality import sequence_logits
 from ablate.model.config import ModelConfig
 from ablate.model.presets import preset
-from ablate.testing.hf_models import greedy, hf_logits, SMALL, build_hf, save_hf
+from ablate.testing.hf_models import greedy, hf_logits, SMALL
 from test_model import make_step
 
 pytest.importorskip("transformers")
@@ -37,20 +37,6 @@ WINDOW = 8               # the kinds' sliding_window
 
 def prompt(length: int, seed: int = 1) -> list[int]:
     return torch.randint(0, SMALL["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    """kind -> (our model loaded from the saved directory, transformers' model): built once per kind."""
-    cache = {}
-
-    def pair(kind: str):
-        if kind not in cache:
-            hf = build_hf(kind)
-            directory = save_hf(hf, tmp_path_factory.mktemp(kind), sharded=False)
-            cache[kind] = load_model(ModelConfig(name="checkpoint", init="pretrained", path=str(directory))), hf
-        return cache[kind]
-    return pair
 
 
 def test_gemma_config_is_read_as_transformers_applies_it(pairs):

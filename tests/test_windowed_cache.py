@@ -20,10 +20,9 @@ from ablate.api.context import EngineConfig
 from ablate.api.sequence import Request, Sequence
 from ablate.api.step import Batch
 from ablate.baselines.naive_attention import NaiveAttention, NaiveAttentionConfig
-from ablate.checkpoints import load_model
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.engine.teacher import teacher_forced_logits
-from ablate.testing.hf_models import build_hf, greedy, hf_logits, pretrained, random_prompt, save_hf
+from ablate.testing.hf_models import build_hf, greedy, hf_logits, random_prompt, save_hf
 from ablate_kv_cache.contiguous import ContiguousConfig, ContiguousKVCache
 from test_graphs import emulate_graphs
 from test_model import make_step
@@ -34,19 +33,6 @@ TOL = 1e-3            # max |logit difference| in fp32
 WINDOW = 8            # the kinds' sliding_window
 MAX_SEQ_LEN = 64
 CHUNKED = {"name": "continuous", "chunked_prefill": True, "prefill_chunk": 8}
-
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    """kind -> (our model loaded from the saved directory, transformers' model): built once per kind."""
-    cache = {}
-
-    def pair(kind: str):
-        if kind not in cache:
-            hf = build_hf(kind)
-            cache[kind] = load_model(pretrained(save_hf(hf, tmp_path_factory.mktemp(kind), sharded=False))), hf
-        return cache[kind]
-    return pair
 
 
 def build(registry, model, spec: dict, max_num_batched_tokens: int, max_num_seqs: int = 2, graphs: bool = False):

@@ -31,10 +31,6 @@ NEW_TOKENS = 24
 WINDOW = 8               # the kinds' sliding_window
 
 
-
-
-
-
 def prompt(length: int, seed: int = 1) -> list[int]:
     return torch.randint(0, SMALL["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 

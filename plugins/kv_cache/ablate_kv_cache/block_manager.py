@@ -22,35 +22,23 @@ Writing into a block that others hold would change their K/V: a sequence about t
 partly-filled block it shares first gets a private copy (copy-on-write; `append` returns the
 (source, destination) pairs the cache must copy). One it holds alone that is registered (truncated
 into, then appended to) is unregistered first: a registration always names what the block holds.
+
+Blocks before a sliding window that no later query reaches go back (`free_before`; not with prefix
+caching), NULL_BLOCK left in their entries (vLLM's null block): attention's window mask hides them.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from numbers import Integral
 
-HashFn = Callable[[int | None, tuple[int, ...]], int]
-
-
-def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """h_i = hash((h_{i-1}, tokens_i)); Python hashes tuples of ints deterministically."""
-    return hash((prev_hash, token_ids))
-
+from ablate_kv_cache.block_checks import NULL_BLOCK, check_invariants
+from ablate_kv_cache.prefix_hashes import HashFn, Registration, chain_hash
 
 class UnknownSequenceError(KeyError):
     """A call named a sequence that holds no blocks (never allocated, or freed already)."""
     def __str__(self) -> str:          # KeyError's own would quote the message
         return str(self.args[0])
-
-
-@dataclass(frozen=True)
-class Registration:
-    """What a registered full block holds: a prefix-cache hit is verified against it."""
-    hash: int                          # chained hash of the prefix the block ends
-    token_ids: tuple[int, ...]         # its tokens
-    content_id: int                    # unique per registration, never reused
-    parent_content_id: int             # content_id of the block before it in its sequence (0: first)
 
 
 def _count(name: str, value: object, minimum: int = 0) -> int:
@@ -107,11 +95,15 @@ class BlockManager:
         """Room for a new sequence of `num_tokens` slots (default: its tokens) whose first `num_cached`
         tokens (whole blocks of `token_ids`; default: every prefix-cache hit) come from the prefix
         cache: fresh blocks, plus cached free blocks it revives."""
+        return self.blocks_to_allocate(token_ids, num_tokens, num_cached) <= self.num_free_blocks
+
+    def blocks_to_allocate(self, token_ids: Sequence[int], num_tokens: int | None = None,
+                           num_cached: int | None = None) -> int:
+        """Free blocks allocate() would take (arguments as can_allocate): fresh ones and revived hits."""
         num_tokens = len(token_ids) if num_tokens is None else _count("num_tokens", num_tokens)
         hits = self._hits(token_ids, num_tokens, num_cached)
         num_fresh = self.num_blocks_for(num_tokens) - len(hits)
-        num_revived = sum(b not in self.ref_counts for b in hits)
-        return num_fresh + num_revived <= self.num_free_blocks
+        return num_fresh + sum(b not in self.ref_counts for b in hits)
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int | None = None,
                  num_cached: int | None = None) -> int:
@@ -192,10 +184,14 @@ class BlockManager:
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         """Room for `num_tokens` more slots of this sequence (new blocks, and a copy-on-write one)."""
+        return self.blocks_to_append(seq_id, num_tokens) <= self.num_free_blocks
+
+    def blocks_to_append(self, seq_id: int, num_tokens: int) -> int:
+        """Free blocks append(seq_id, num_tokens) would take: new ones, and a copy-on-write one."""
         table, num_tokens = self.block_table(seq_id), _count("num_tokens", num_tokens)
         num_new = self.num_blocks_for(self.num_tokens[seq_id] + num_tokens) - len(table)
         needs_copy = self._writes_into_last(seq_id, num_tokens) and self.ref_counts[table[-1]] > 1
-        return num_new + needs_copy <= self.num_free_blocks
+        return num_new + needs_copy
 
     def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """Claim `num_tokens` more slots; returns (source, destination) blocks the cache must copy."""
@@ -243,7 +239,7 @@ class BlockManager:
         table = list(self.block_table(parent_id))
         if child_id in self.block_tables:
             raise ValueError(f"sequence {child_id} already holds blocks")
-        for block_id in table:
+        for block_id in (b for b in table if b != NULL_BLOCK):
             self.ref_counts[block_id] += 1
         self.block_tables[child_id] = table
         self.num_tokens[child_id] = self.num_tokens[parent_id]
@@ -256,7 +252,7 @@ class BlockManager:
         if _count("num_tokens", num_tokens) > n:
             raise ValueError(f"truncate(seq {seq_id}, num_tokens={num_tokens}): it holds {n} tokens")
         keep = self.num_blocks_for(num_tokens)
-        for block_id in reversed(table[keep:]):
+        for block_id in (b for b in reversed(table[keep:]) if b != NULL_BLOCK):
             self._release(block_id)
         del table[keep:]
         self.num_tokens[seq_id] = num_tokens
@@ -264,9 +260,23 @@ class BlockManager:
 
     def free(self, seq_id: int) -> None:
         """The sequence finished or was preempted: drop its hold on every block."""
-        for block_id in reversed(self.block_table(seq_id)):   # tail first: evicted before the prefix
+        # tail first: evicted before the prefix
+        for block_id in (b for b in reversed(self.block_table(seq_id)) if b != NULL_BLOCK):
             self._release(block_id)
         del self.block_tables[seq_id], self.num_tokens[seq_id], self.num_registered[seq_id]
+
+    def free_before(self, seq_id: int, position: int) -> int:
+        """No query of the sequence reads a key before `position` again (a sliding window): give back
+        the blocks wholly before it, i < position // block_size, NULL_BLOCK in their place; how many."""
+        if self.enable_prefix_caching:
+            raise RuntimeError("free_before with prefix caching: a freed block's prefix could not be matched whole")
+        table = self.block_table(seq_id)
+        end = min(_count("position", position) // self.block_size, len(table))
+        freed = [i for i in range(end) if table[i] != NULL_BLOCK]
+        for i in freed:
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+        return len(freed)
 
     def _release(self, block_id: int) -> None:
         count = self.ref_counts.pop(block_id, 0)
@@ -282,19 +292,4 @@ class BlockManager:
     # -- checks ------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests call it after every step)."""
-        holders: dict[int, int] = {}
-        for seq_id, table in self.block_tables.items():
-            assert len(table) == self.num_blocks_for(self.num_tokens[seq_id]), f"seq {seq_id}: table length"
-            assert len(set(table)) == len(table), f"seq {seq_id}: a block twice in one table"
-            for block_id in table:
-                holders[block_id] = holders.get(block_id, 0) + 1
-        assert holders == self.ref_counts, "ref counts differ from the holders"
-        released, cached, registered = set(self._released), set(self._cached_free), set(self.registrations)
-        assert len(released) + self.num_blocks - self._next_unused + len(cached) == self.num_free_blocks \
-            and len(released) == len(self._released) and not released & cached, "free list: a block missing or twice"
-        assert not (released | cached) & set(holders), "a held block is on the free list"
-        assert all(0 <= b < self._next_unused for b in [*released, *cached, *holders]), "a block out of range"
-        assert not released & registered and cached <= registered, "free list: registered blocks out of place"
-        for h, block_id in self.cached_block_ids.items():
-            assert block_id in self.registrations and self.registrations[block_id].hash == h, \
-                f"block {block_id}: stale cache entry"
+        check_invariants(self)

@@ -8,6 +8,16 @@ cache admits while blocks remain, and when they run out the scheduler preempts.
 Writes go through one flat slot index per step, slot = block_table[p // bs] * bs + p % bs (nano-vllm's
 slot mapping), so a step mixing prefill chunks and decode tokens is one index_copy_ per layer.
 Attention reads the pool through the batch's block tables (ablate.api.kv.PagedKV).
+
+Sliding windows (vLLM's hybrid KV-cache manager): layers are grouped by window (layer_groups.py), each
+group with its own block table per sequence, the pool (g, num_blocks, block_size, H_kv, D) for groups
+of g layers. After each step a windowed group gives back the blocks wholly before the window of the
+sequence's next query (position C - window + 1, C its committed tokens): no later query reads them,
+drafts included, since a step's queries sit at positions >= C. Their entries stay in the table as
+NULL_BLOCK, sent to attention as block 0 (finite numbers), which the layer's window mask hides. A
+sequence so holds at most ceil((window - 1 + max step tokens) / block_size) + 1 blocks in a windowed
+group, and admission and the pool's size count that. With prefix caching every layer stays in one
+group that keeps every block (a freed block's prefix could not be matched whole): kv_block_groups = 1.
 """
 from __future__ import annotations
 
@@ -16,9 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ablate.api import (BuildContext, KVBudgetConfig, KVCache, PagedKV, Sequence, Stat, StepInputs, budget_bytes,
-                        device_tensor)
-from ablate_kv_cache.block_manager import BlockManager
+from ablate.api import (BuildContext, KVBudgetConfig, KVCache, PagedKV, PluginError, Sequence, Stat, StepInputs,
+                        budget_bytes, device_tensor)
+from ablate_kv_cache.block_manager import NULL_BLOCK, BlockManager
+from ablate_kv_cache.layer_groups import layer_groups
 from ablate_kv_cache.paging_model import PREDICTION_STATS, predict
 from ablate_kv_cache.slot_cache import check_pool_fits
 
@@ -42,7 +53,9 @@ class PagedKVCache(KVCache):
     graph_safe = True     # slot mapping and fixed-width block tables are in step.plan
     reported_stats = (
         Stat("kv_block_size", "token slots per block", "tokens"),
-        Stat("kv_block_bytes", "bytes per block", "bytes"),
+        Stat("kv_block_bytes", "bytes per block (the slots of one group's layers)", "bytes"),
+        Stat("kv_block_groups", "block tables per sequence: groups of layers by sliding window", "count"),
+        Stat("kv_blocks_freed_by_window", "blocks given back from before a sliding window", "count"),
         Stat("kv_blocks_total", "blocks in the pool", "count"),
         Stat("kv_pool_bytes", "bytes of the preallocated pool", "bytes"),
         Stat("kv_blocks_used_peak", "most blocks held at once", "count"),
@@ -59,8 +72,14 @@ class PagedKVCache(KVCache):
         super().__init__(config, ctx)
         s = self.spec
         self.block_size = bs = config.block_size
-        self.block_bytes = bs * s.bytes_per_token
-        self.blocks_per_seq = blocks_per_seq = -(-s.max_seq_len // bs)
+        # layer -> (its group, its index in the pool's layers); one group of every layer without windows
+        self.groups = layer_groups(s, free_outside_windows=not config.prefix_caching)
+        self.windowed = any(group.window is not None for group in self.groups)
+        self._where = {layer: (g, i) for g, group in enumerate(self.groups) for i, layer in enumerate(group.layers)}
+        group_layers = len(self.groups[0].layers)
+        self.block_bytes = bs * s.bytes_per_token * group_layers // s.num_layers
+        self.blocks_per_seq = -(-s.max_seq_len // bs)       # the width of every block table
+        blocks_per_seq = sum(group.blocks_per_seq(s, bs) for group in self.groups)   # the most a sequence holds
         # More blocks than max_num_seqs sequences of the longest length can hold would never be
         # claimed (with prefix caching they would only keep more freed prefixes findable).
         num_blocks = s.max_num_seqs * blocks_per_seq
@@ -76,11 +95,12 @@ class PagedKVCache(KVCache):
         check_pool_fits(self.name, num_blocks * self.block_bytes, blocks_per_seq * self.block_bytes, s, config,
                         budget)
         self.manager = BlockManager(num_blocks, bs, config.prefix_caching)
-        self.k = torch.zeros(s.num_layers, num_blocks, bs, s.n_kv_heads, s.k_head_dim, dtype=s.dtype, device=s.device)
-        self.v = torch.zeros(s.num_layers, num_blocks, bs, s.n_kv_heads, s.v_head_dim, dtype=s.dtype, device=s.device)
+        self.k = torch.zeros(group_layers, num_blocks, bs, s.n_kv_heads, s.k_head_dim, dtype=s.dtype, device=s.device)
+        self.v = torch.zeros(group_layers, num_blocks, bs, s.n_kv_heads, s.v_head_dim, dtype=s.dtype, device=s.device)
         # stats
         self.max_seqs_admitted = 0
         self.blocks_used_peak = 0
+        self.blocks_freed_by_window = 0
         self._frag_slots: list[int] = []           # per step: unused slots in the stepped sequences' blocks
         self._frag_slots_per_seq: list[float] = []
         self._lengths_admitted: dict[int, tuple[int, int]] = {}   # seq_id -> (prompt, max output), for predictions
@@ -89,33 +109,55 @@ class PagedKVCache(KVCache):
     def num_cached_tokens(self, seq: Sequence) -> int:
         return self.manager.cached_prefix(seq.token_ids)
 
+    def _keys(self, seq_id: int) -> list[tuple[int, int]]:
+        """The block manager's name of each of the sequence's tables: (seq_id, group)."""
+        return [(seq_id, g) for g in range(len(self.groups))]
+
+    def _claimed(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Per group, the slots to hold for room of `num_tokens`. A windowed group holds those the next
+        step can write only, up to C + the most tokens a step feeds (C: computed): a scheduler may ask for
+        a whole prompt at once (static), but commits shrink the room to C, so each step asks again."""
+        step = self.spec.max_step_tokens or self.spec.max_seq_len
+        return [num_tokens if group.window is None else min(num_tokens, seq.num_computed_tokens + step)
+                for group in self.groups]
+
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        manager = self.manager
-        if seq.seq_id not in manager.block_tables:     # admission: its first num_computed tokens are prefix hits
-            if not manager.can_allocate(seq.token_ids, num_tokens, seq.num_computed_tokens):
+        manager, keys = self.manager, self._keys(seq.seq_id)
+        claims = self._claimed(seq, num_tokens)
+        if keys[0] not in manager.block_tables:     # admission: its first num_computed tokens are prefix hits
+            need = sum(manager.blocks_to_allocate(seq.token_ids, n, seq.num_computed_tokens) for n in claims)
+            if need > manager.num_free_blocks:
                 return False
-            manager.allocate(seq.seq_id, seq.token_ids, num_tokens, seq.num_computed_tokens)
-            self.max_seqs_admitted = max(self.max_seqs_admitted, len(manager.block_tables))
+            for key, n in zip(keys, claims):
+                manager.allocate(key, seq.token_ids, n, seq.num_computed_tokens)
+            self.max_seqs_admitted = max(self.max_seqs_admitted, self.num_seqs_admitted())
             self._lengths_admitted.setdefault(seq.seq_id, (seq.num_prompt_tokens, seq.request.max_new_tokens))
         else:
-            extra = num_tokens - manager.num_tokens[seq.seq_id]
-            if extra > 0:
-                if not manager.can_append(seq.seq_id, extra):
-                    return False
-                self._copy_blocks(manager.append(seq.seq_id, extra))
+            extras = [n - manager.num_tokens[key] for key, n in zip(keys, claims)]
+            need = sum(manager.blocks_to_append(key, extra) for key, extra in zip(keys, extras) if extra > 0)
+            if need > manager.num_free_blocks:
+                return False
+            for key, extra in zip(keys, extras):
+                if extra > 0:
+                    self._copy_blocks(manager.append(key, extra))
         self.blocks_used_peak = max(self.blocks_used_peak, manager.num_used_blocks)
         return True
 
     def keep(self, seq: Sequence, num_tokens: int) -> None:
-        if self.manager.num_tokens[seq.seq_id] > num_tokens:     # drafts rejected: give their blocks back
-            self.manager.truncate(seq.seq_id, num_tokens)
-        self.manager.commit(seq.seq_id, seq.token_ids, num_tokens)     # prefix caching: register full blocks
+        manager = self.manager
+        for group, key in zip(self.groups, self._keys(seq.seq_id)):
+            if manager.num_tokens[key] > num_tokens:     # drafts rejected: give their blocks back
+                manager.truncate(key, num_tokens)
+            manager.commit(key, seq.token_ids, num_tokens)     # prefix caching: register full blocks
+            if group.window is not None:   # the next query, at position num_tokens, sees keys > num_tokens - window
+                self.blocks_freed_by_window += manager.free_before(key, max(0, num_tokens - group.window + 1))
 
     def free(self, seq: Sequence) -> None:
-        self.manager.free(seq.seq_id)
+        for key in self._keys(seq.seq_id):
+            self.manager.free(key)
 
     def num_seqs_admitted(self) -> int:
-        return len(self.manager.block_tables)
+        return len(self.manager.block_tables) // len(self.groups)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: a shared, partly-filled block becomes this sequence's own before it writes."""
@@ -126,30 +168,41 @@ class PagedKVCache(KVCache):
     # -- per step ----------------------------------------------------------------------------------
     def prepare(self, step: StepInputs) -> None:
         bs, manager = self.block_size, self.manager
-        tables = [manager.block_table(seq.seq_id) for seq in step.seqs]
-        self._frag_slots.append(sum(len(t) * bs - ctx for t, ctx in zip(tables, step.context_lens)))
-        self._frag_slots_per_seq.append(self._frag_slots[-1] / len(tables))
+        most = self.spec.max_step_tokens or self.spec.max_seq_len
+        if self.windowed and max(step.query_lens) > most:    # a windowed group holds that many slots past C
+            raise PluginError(self, "prepare", f"a sequence feeds {max(step.query_lens)} tokens in one step, more "
+                              f"than the {most} the windowed layers' blocks were claimed for (engine.max_num_batched_"
+                              f"tokens, and speculative decoding's drafts + 1 within it): raise "
+                              f"engine.max_num_batched_tokens to at least {max(step.query_lens)}")
+        # per group, per sequence: its table (a group's freed entries are NULL_BLOCK)
+        tables = [[manager.block_table((seq.seq_id, g)) for seq in step.seqs] for g in range(len(self.groups))]
+        # every group's tables are as long (freed entries count): the unused slots are the last block's tail
+        self._frag_slots.append(sum(len(t) * bs - ctx for t, ctx in zip(tables[0], step.context_lens)))
+        self._frag_slots_per_seq.append(self._frag_slots[-1] / len(tables[0]))
         # every table as wide as the longest sequence can need, so a step's shapes depend on its
-        # batch size only (a captured decode graph replays for any lengths); padding entries point
-        # at block 0: never read inside a context, masked outside it
+        # batch size only (a captured decode graph replays for any lengths); padding entries, and
+        # entries freed before a window, point at block 0: never read inside what a query sees, masked
         width = self.blocks_per_seq
         # slot of the token at position p: its block's physical index * block_size + p % block_size
-        slots = [table[p // bs] * bs + p % bs
-                 for table, n, end in zip(tables, step.query_lens, step.context_lens) for p in range(end - n, end)]
+        slots = [[table[p // bs] * bs + p % bs
+                  for table, n, end in zip(group, step.query_lens, step.context_lens) for p in range(end - n, end)]
+                 for group in tables]
+        rows = [[[0 if b == NULL_BLOCK else b for b in t] + [0] * (width - len(t)) for t in group] for group in tables]
         device = self.spec.device
-        step.plan["block_tables"] = device_tensor([t + [0] * (width - len(t)) for t in tables], torch.int32,
-                                                  device)                                      # (B, width)
-        step.plan["slot_mapping"] = device_tensor(slots, torch.long, device)                  # (T,)
+        step.plan["block_tables"] = device_tensor(rows, torch.int32, device)                  # (G, B, width)
+        step.plan["slot_mapping"] = device_tensor(slots, torch.long, device)                  # (G, T)
 
     def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v (T, H_kv, D) -> slots of the flattened (num_blocks * block_size, H_kv, D) pool (flatten,
         # not view(-1, ...): MLA's V has zero width, and -1 cannot be inferred from zero elements)
-        slots = step.plan["slot_mapping"]
-        self.k[layer].flatten(0, 1).index_copy_(0, slots, k)
-        self.v[layer].flatten(0, 1).index_copy_(0, slots, v)
+        group, i = self._where[layer]
+        slots = step.plan["slot_mapping"][group]
+        self.k[i].flatten(0, 1).index_copy_(0, slots, k)
+        self.v[i].flatten(0, 1).index_copy_(0, slots, v)
 
     def view(self, layer: int, step: StepInputs) -> PagedKV:
-        return PagedKV(self.k[layer], self.v[layer], step.plan["block_tables"])
+        group, i = self._where[layer]
+        return PagedKV(self.k[i], self.v[i], step.plan["block_tables"][group])
 
     # -- memory ------------------------------------------------------------------------------------
     def bytes_reserved(self) -> int:
@@ -161,13 +214,19 @@ class PagedKVCache(KVCache):
         return self.manager.num_used_blocks * self.block_bytes
 
     def bytes_used(self) -> int:
-        """Live tokens x bytes per token, a slot shared by several sequences counted once."""
-        tables = self.manager.block_tables
-        if sum(len(t) for t in tables.values()) == self.manager.num_used_blocks:   # nothing shared
-            return super().bytes_used()
-        filled: dict[int, int] = {}
+        """Live tokens x bytes per token, a slot shared by several sequences counted once. A windowed
+        group's live tokens are the last `window` (what ModelConfig.kv_bytes_at counts)."""
+        manager = self.manager
+        tables = manager.block_tables
+        if sum(b != NULL_BLOCK for t in tables.values() for b in t) == manager.num_used_blocks:   # nothing shared
+            if not self.windowed:
+                return super().bytes_used()
+            per_layer = self.bytes_per_token // self.spec.num_layers
+            return per_layer * sum(len(group.layers) * (n if group.window is None else min(n, group.window))
+                                   for n in self.num_committed().values() for group in self.groups)
+        filled: dict[int, int] = {}        # sharing (prefix caching, forks) keeps one group of every layer
         for seq_id, length in self.num_committed().items():
-            for i, block_id in enumerate(tables.get(seq_id, ())):
+            for i, block_id in enumerate(tables.get((seq_id, 0), ())):
                 in_block = min(self.block_size, length - i * self.block_size)
                 if in_block > 0:
                     filled[block_id] = max(filled.get(block_id, 0), in_block)
@@ -182,10 +241,13 @@ class PagedKVCache(KVCache):
         cacheable = manager.num_cacheable_blocks
         lengths = list(self._lengths_admitted.values())
         prediction = predict([p for p, _ in lengths], [o for _, o in lengths], self.block_size,
-                             manager.num_blocks * self.block_size, self.spec.max_num_seqs)
+                             manager.num_blocks * self.block_size, self.spec.max_num_seqs,
+                             [group.window for group in self.groups])
         return {
             "kv_block_size": self.block_size,
             "kv_block_bytes": self.block_bytes,
+            "kv_block_groups": len(self.groups),
+            "kv_blocks_freed_by_window": self.blocks_freed_by_window,
             "kv_blocks_total": manager.num_blocks,
             "kv_pool_bytes": self.pool_bytes(),
             "kv_blocks_used_peak": self.blocks_used_peak,

@@ -9,6 +9,12 @@ time weighting the measurement uses (longer requests live longer and count more)
   utilisation           U = E[L] / E[R(L)]
   sequences at once     N = min(max_num_seqs, floor(budget_tokens / E[R(L)]))   (steady state: the pool is full)
   fragmentation         F = E[R(L) - L] slots per sequence (about b / 2)
+With sliding windows the paged cache keeps one table per group of layers (layer_groups.py), and a
+windowed group holds only the blocks from the window's first position on, L - W + 1 (after a step, the
+next query's window), so a sequence reserves the sum over groups of
+  full group:      R(L) = b * ceil(L / b)                         and uses L
+  window W:        R(L) = b * (ceil(L / b) - floor(max(0, L - W + 1) / b))   and uses min(L, W)
+slots, in units of one group's layers; U and N take those sums, F (a table's last block) stays.
 """
 from __future__ import annotations
 
@@ -43,19 +49,29 @@ def reserved_tokens(lengths: np.ndarray, block_size: int) -> np.ndarray:
     return -(-lengths // block_size) * block_size
 
 
+def windowed_reserved_tokens(lengths: np.ndarray, block_size: int, window: int) -> np.ndarray:
+    """R(L) of a group with a sliding window W: the blocks from position L - W + 1's on."""
+    first = np.maximum(0, lengths - window + 1) // block_size
+    return (-(-lengths // block_size) - first) * block_size
+
+
 def predict(prompt_lens: Sequence[int], output_lens: Sequence[int], block_size: int, budget_tokens: int,
-            max_num_seqs: int) -> dict[str, float]:
+            max_num_seqs: int, windows: Sequence[int | None] = (None,)) -> dict[str, float]:
     """Predicted utilisation, sequences held at once and slots wasted per sequence.
 
     For a contiguous cache pass block_size = the maximum length (every sequence reserves one such block).
+    windows: per group of layers (the paged cache's), its sliding window or None; budget_tokens counts
+    one group's slots (num_blocks x block_size).
     """
     lengths = live_lengths(prompt_lens, output_lens)
     if lengths.size == 0:
         return {"predicted_kv_util": float("nan"), "predicted_seqs_admitted": float("nan"),
                 "predicted_frag_slots_per_seq": float("nan")}
     reserved = reserved_tokens(lengths, block_size)
-    mean_reserved = float(reserved.mean())
+    all_reserved = sum(reserved if w is None else windowed_reserved_tokens(lengths, block_size, w) for w in windows)
+    used = sum(lengths if w is None else np.minimum(lengths, w) for w in windows)
+    mean_reserved = float(all_reserved.mean())
     held = min(float(max_num_seqs), budget_tokens // mean_reserved) if budget_tokens else float(max_num_seqs)
-    return {"predicted_kv_util": float(lengths.mean()) / mean_reserved,
+    return {"predicted_kv_util": float(used.mean()) / mean_reserved,
             "predicted_seqs_admitted": min(held, float(len(prompt_lens))),
             "predicted_frag_slots_per_seq": float((reserved - lengths).mean())}

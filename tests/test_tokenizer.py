@@ -91,11 +91,6 @@ def test_from_directory_matches(ours, reference, corpus_lines, tmp_path):
     assert from_dir.apply_chat_template(messages) == ours.apply_chat_template(messages)
 
 
-def test_only_byte_level_bpe_from_gguf():
-    with pytest.raises(ValueError, match="'llama'"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"}, source="x.gguf")
-
-
 # ---- corpus and prompts -------------------------------------------------------------------------
 
 def test_corpus_split_is_disjoint_and_deterministic():

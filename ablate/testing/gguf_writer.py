@@ -174,10 +174,12 @@ def _tensors(model: torch.nn.Module, model_type: str, split_kv_b: bool) -> list[
 
 
 def write_gguf(model: torch.nn.Module, path: Path, split_kv_b: bool = False,
-               edit: Callable[[str, np.ndarray], np.ndarray | None] | None = None) -> Path:
+               edit: Callable[[str, np.ndarray], np.ndarray | None] | None = None,
+               vocabulary: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
     """`model` (a transformers causal LM) as an F32 GGUF at `path`; DeepSeek's kv_b_proj whole
     (attn_kv_b, older converters) or, split_kv_b, as attn_k_b and attn_v_b (newer ones).
-    `edit(gguf_name, array)` breaks a file on purpose (the tests of bad input): None leaves the tensor out."""
+    `edit(gguf_name, array)` breaks a file on purpose (the tests of bad input): None leaves the tensor out.
+    `vocabulary(writer)` writes the tokenizer.ggml.* keys in place of the minimal vocabulary."""
     config = model.config
     model_type = config.model_type
     arch = ARCHITECTURES[model_type]
@@ -185,7 +187,10 @@ def write_gguf(model: torch.nn.Module, path: Path, split_kv_b: bool = False,
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(f"random {model_type}")
     _metadata(writer, config, model_type, split_kv_b)
-    _tokenizer(writer, config.vocab_size)
+    if vocabulary is None:
+        _tokenizer(writer, config.vocab_size)
+    else:
+        vocabulary(writer)
     for hf_name, tensor in _tensors(model, model_type, split_kv_b):
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:

@@ -366,6 +366,7 @@ def attention_over_blocks(q, k_cache, v_cache, block_tables, context_lens) -> to
     ([5, 33], 16, (2, 2), 64),
     ([9], 1, (4, 1), 24),                # one token per block; multi-query; a width that is not a whole vector
     ([130, 3, 64], 16, (9, 3), 64),      # SmolLM2's heads
+    ([40, 1, 17, 33, 2, 64, 5, 16, 70], 32, (20, 2), 32),   # groups of 10 heads (two slices); tasks of whole sequences
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_paged_decode_attention_computes_attention_over_the_blocks(context_lens, block_size, heads, head_dim, threads):
@@ -382,6 +383,7 @@ def test_paged_decode_attention_says_what_it_cannot_take():
     assert "divide" in native.paged_decode_problem(q[:, :3], k_cache, v_cache)
     assert "one width" in native.paged_decode_problem(q, k_cache, v_cache[..., :8])
     assert "exceed" in native.paged_decode_problem(torch.randn(1, 64, 1024), *[torch.randn(2, 16, 1, 1024)] * 2)
+    assert "blocks of 512" in native.paged_decode_problem(q, *[torch.randn(2, 512, 2, 16)] * 2)
 
 
 def test_without_the_kernels_paged_decode_attention_says_why():

@@ -11,6 +11,7 @@ from ablate.model.native.build import available, library, unavailable_reason
 # paged_decode_attention keeps a task's running outputs (query heads x D) and one block's scores in
 # arrays on its thread's stack: bounded so that they fit any thread's stack with room to spare
 MAX_TASK_FLOATS = 32768
+MAX_BLOCK_SIZE = 256      # paged_attention.c's MAX_BLOCK: the most keys of a block it scores at once
 
 
 def paged_decode_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
@@ -28,9 +29,10 @@ def paged_decode_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     if heads % kv_heads:
         return f"{heads} query heads do not divide into {kv_heads} KV heads"
-    if heads * q.shape[-1] + k_cache.shape[1] > MAX_TASK_FLOATS:
-        return (f"{heads} query heads x D={q.shape[-1]} plus blocks of {k_cache.shape[1]} exceed the kernel's "
-                f"{MAX_TASK_FLOATS} floats a task")
+    if heads * q.shape[-1] > MAX_TASK_FLOATS:
+        return f"{heads} query heads x D={q.shape[-1]} exceed the kernel's {MAX_TASK_FLOATS} floats a task"
+    if k_cache.shape[1] > MAX_BLOCK_SIZE:
+        return f"blocks of {k_cache.shape[1]} tokens exceed the kernel's {MAX_BLOCK_SIZE}"
     return None
 
 

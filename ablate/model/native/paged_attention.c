@@ -25,14 +25,81 @@ static inline vec16 exp16(vec16 x) {
     return (vec16)(((ivec16)p + (((ivec16)t - (ivec16)shift) << 23)) & ~tiny);
 }
 
-/* acc[0:n] += p * v[0:n] */
-static void axpy(float *acc, float p, const float *v, long n) {
-    long i = 0;
-    for (; i + 16 <= n; i += 16) {
-        vec16 a = load16(acc + i) + p * load16(v + i);
-        memcpy(acc + i, &a, sizeof a);
+typedef float vec8 __attribute__((vector_size(32), aligned(4)));
+typedef float vec4 __attribute__((vector_size(16), aligned(4)));
+
+/* v[0] + ... + v[15] as a tree (8 + 8, then 4 + 4, ...): four dependent additions, where summing in
+ * order chains sixteen, and a score is one such sum */
+static inline float hsum16(vec16 v) {
+    vec8 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    vec8 s8 = lo + hi;
+    vec4 a, b;
+    memcpy(&a, &s8, sizeof a);
+    memcpy(&b, (const char *)&s8 + sizeof a, sizeof b);
+    vec4 s4 = a + b;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
+
+/* The query heads one pass over a block serves together: they share the KV head whose keys and values
+ * it reads once (grouped-query attention). A larger group is served in slices of this many. */
+enum { SLICE = 8, MAX_BLOCK = 256 };
+
+/* One block's n keys of one KV head for a slice of g <= SLICE query heads (q: g x dim, this slice's
+ * queries; m, l, acc: their running max, sum and output, acc g x dim), FlashAttention's online
+ * recurrence: with m the running max and l the running sum, the block's scores s_j move m to
+ * m' = max(m, max_j s_j), rescale l and the output by exp(m - m'), and add exp(s_j - m') and
+ * exp(s_j - m') v_j. kb, vb: the block's key and value of this KV head for key 0; key j at
+ * + j * key_stride. Each key and value is read once for the slice's g heads, whose g multiply-add
+ * chains are independent. */
+static void attend_block(const float *q, const float *kb, const float *vb, long n, long key_stride, long dim, long g,
+                         float scale, float *m, float *l, float *acc) {
+    long body = dim / 16 * 16;
+    float s[SLICE][MAX_BLOCK + 16];                       /* scores, then weights; whole vectors read */
+    for (long j = 0; j < n; j++) {                        /* s[i][j] = scale q_i . k_j */
+        const float *kj = kb + j * key_stride;
+        vec16 part[SLICE];
+        for (long i = 0; i < g; i++) part[i] = (vec16){0};
+        for (long c = 0; c < body; c += 16) {
+            vec16 kv = load16(kj + c);
+            for (long i = 0; i < g; i++) part[i] += load16(q + i * dim + c) * kv;
+        }
+        for (long i = 0; i < g; i++) {
+            float t = hsum16(part[i]);
+            for (long c = body; c < dim; c++) t += q[i * dim + c] * kj[c];
+            s[i][j] = scale * t;
+        }
     }
-    for (; i < n; i++) acc[i] += p * v[i];
+    for (long i = 0; i < g; i++) {                        /* s -> exp(s - m'), l and the output rescaled */
+        float top = m[i], sum = 0.0f;
+        for (long j = 0; j < n; j++) top = s[i][j] > top ? s[i][j] : top;
+        for (long j = n; j < (n + 15) / 16 * 16; j++) s[i][j] = -INFINITY;    /* lanes past the keys: weight 0 */
+        for (long j = 0; j < n; j += 16) {
+            vec16 e = exp16(load16(s[i] + j) - top);
+            store16(s[i] + j, e);
+            sum += hsum16(e);
+        }
+        /* 0 on the first block (m = -inf), and where it would only make subnormals (exp16) */
+        float rescale = m[i] - top < -60.0f ? 0.0f : expf(m[i] - top);
+        l[i] = l[i] * rescale + sum;
+        for (long c = 0; c < dim; c++) acc[i * dim + c] *= rescale;
+        m[i] = top;
+    }
+    for (long c = 0; c < body; c += 16) {                 /* acc_i += sum_j w_ij v_j, 16 columns at a time */
+        vec16 a[SLICE];
+        for (long i = 0; i < g; i++) a[i] = load16(acc + i * dim + c);
+        for (long j = 0; j < n; j++) {
+            vec16 vj = load16(vb + j * key_stride + c);
+            for (long i = 0; i < g; i++) a[i] += s[i][j] * vj;
+        }
+        for (long i = 0; i < g; i++) store16(acc + i * dim + c, a[i]);
+    }
+    for (long c = body; c < dim; c++)
+        for (long i = 0; i < g; i++)
+            for (long j = 0; j < n; j++) acc[i * dim + c] += s[i][j] * vb[j * key_stride + c];
 }
 
 /* Decode attention over a paged KV cache, reading each block where it lies (nothing is gathered):
@@ -40,65 +107,51 @@ static void axpy(float *acc, float p, const float *v, long n) {
  * key p of sequence b at row p % bs of block block_tables[b, p / bs], KV head h / (heads / kv_heads).
  * q, out (B, H, D); k_cache, v_cache (num_blocks, bs, H_kv, D); block_tables (B, max_blocks) int32.
  *
- * One task per sequence: it reads each of its blocks whole (bs x H_kv x D, contiguous) while
- * prefetching the next, where a task per KV head would read every block in strided slices (1.65
- * against 1.33 ms a layer in SmolLM2's decode at batch 64). The softmax is online, one block at a
- * time (FlashAttention's recurrence): with m the running max and l the running sum, a block of
- * scores s_j moves m to m' = max(m, max_j s_j), rescales l and the output by exp(m - m'), and adds
- * exp(s_j - m') and exp(s_j - m') v_j. The caller checks that H * D and bs fit the stack arrays below
- * (attention.py: paged_decode_problem). */
+ * A task is a sequence, or one KV head of a sequence when there are too few sequences to keep every
+ * thread busy (batch < 4 x threads: a batch-1 step on 2 threads). A task of whole sequences reads
+ * each block whole (bs x H_kv x D, contiguous) while prefetching the next, where a task per KV head
+ * reads every block in strided slices; per KV head, each key and value is read once for all the
+ * query heads that share it (attend_block). The caller checks that H * D and bs fit the stack
+ * arrays (attention.py: paged_decode_problem). */
 void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int *block_tables,
                             const int *context_lens, float *out, long batch, long heads, long kv_heads, long dim,
                             long block_size, long max_blocks, float scale, int threads) {
     long group = heads / kv_heads;
     long key_stride = kv_heads * dim;                 /* floats from one key of a block to the next */
     long block_floats = block_size * key_stride;
+    long kv_per_task = batch >= 4L * threads ? kv_heads : 1;
+    long tasks_per_seq = kv_heads / kv_per_task;
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
-    for (long b = 0; b < batch; b++) {
+    for (long task = 0; task < batch * tasks_per_seq; task++) {
+        long b = task / tasks_per_seq, first_kv = task % tasks_per_seq * kv_per_task;
+        long first_head = first_kv * group, task_heads = kv_per_task * group;
         long ctx = context_lens[b] < max_blocks * block_size ? context_lens[b] : max_blocks * block_size;
         const int *table = block_tables + b * max_blocks;
-        float m[heads], l[heads], acc[heads * dim], s[(block_size + 15) / 16 * 16];   /* s: whole vectors */
-        for (long h = 0; h < heads; h++) m[h] = -INFINITY, l[h] = 0.0f;
+        const float *qb = q + (b * heads + first_head) * dim;
+        float m[task_heads], l[task_heads], acc[task_heads * dim];
+        for (long h = 0; h < task_heads; h++) m[h] = -INFINITY, l[h] = 0.0f;
         memset(acc, 0, sizeof acc);
-        memset(s, 0, sizeof s);                            /* lanes past a block's keys: read, unused */
         for (long start = 0; start < ctx; start += block_size) {
             long n = ctx - start < block_size ? ctx - start : block_size;
-            const float *kb = k_cache + table[start / block_size] * block_floats;
-            const float *vb = v_cache + table[start / block_size] * block_floats;
-            if (start + block_size < ctx) {                /* the next block, a cache line at a time */
-                const float *next_k = k_cache + table[start / block_size + 1] * block_floats;
-                const float *next_v = v_cache + table[start / block_size + 1] * block_floats;
-                for (long i = 0; i < block_floats; i += 16) {
-                    __builtin_prefetch(next_k + i, 0, 3);
-                    __builtin_prefetch(next_v + i, 0, 3);
-                }
+            const float *kb = k_cache + table[start / block_size] * block_floats + first_kv * dim;
+            const float *vb = v_cache + table[start / block_size] * block_floats + first_kv * dim;
+            if (start + block_size < ctx) {                /* the next block's rows of these KV heads */
+                long next = table[start / block_size + 1] * block_floats + first_kv * dim;
+                for (long j = 0; j < block_size; j++)
+                    for (long i = 0; i < kv_per_task * dim; i += 16) {
+                        __builtin_prefetch(k_cache + next + j * key_stride + i, 0, 3);
+                        __builtin_prefetch(v_cache + next + j * key_stride + i, 0, 3);
+                    }
             }
-            for (long h = 0; h < heads; h++) {
-                const float *qh = q + (b * heads + h) * dim;
-                const float *kh = kb + h / group * dim, *vh = vb + h / group * dim;   /* key j: + j * key_stride */
-                float top = m[h];
-                for (long j = 0; j < n; j++) {
-                    s[j] = scale * dot(qh, kh + j * key_stride, dim);
-                    top = s[j] > top ? s[j] : top;
+            for (long kv = 0; kv < kv_per_task; kv++)
+                for (long h = kv * group; h < (kv + 1) * group; h += SLICE) {
+                    long g = (kv + 1) * group - h < SLICE ? (kv + 1) * group - h : SLICE;
+                    attend_block(qb + h * dim, kb + kv * dim, vb + kv * dim, n, key_stride, dim, g, scale,
+                                 m + h, l + h, acc + h * dim);
                 }
-                for (long j = 0; j < n; j += 16) {                /* s_j -> exp(s_j - top), 16 at a time */
-                    vec16 e = exp16(load16(s + j) - top);
-                    memcpy(s + j, &e, sizeof e);
-                }
-                /* 0 on the first block (m = -inf), and where it would only make subnormals (exp16) */
-                float rescale = m[h] - top < -60.0f ? 0.0f : expf(m[h] - top);
-                float *acc_h = acc + h * dim;
-                l[h] *= rescale;
-                for (long i = 0; i < dim; i++) acc_h[i] *= rescale;
-                for (long j = 0; j < n; j++) {
-                    l[h] += s[j];
-                    axpy(acc_h, s[j], vh + j * key_stride, dim);
-                }
-                m[h] = top;
-            }
         }
-        for (long h = 0; h < heads; h++) {
-            float *o = out + (b * heads + h) * dim;
+        for (long h = 0; h < task_heads; h++) {
+            float *o = out + (b * heads + first_head + h) * dim;
             float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;      /* no keys: zeros, as the reference gives */
             for (long i = 0; i < dim; i++) o[i] = acc[h * dim + i] * inv;
         }

@@ -1,0 +1,98 @@
+"""The CPU's paged decode attention kernel on its own: time per call and the K/V bytes it reads a second.
+
+    .venv/bin/python benchmarks/paged_decode_kernel.py [--batch 1 64] [--context 200] [--rounds 15]
+
+One decode step of one layer of SmolLM2-135M's attention (9 query heads over 3 KV heads, head dim
+64, fp32, blocks of 16 tokens handed out in a shuffled order), over the KV pool a batch of sequences
+holds at --context tokens each (engines_serving: 128-token prompts, up to 128 new tokens). Per batch
+size, interleaved round by round on torch's threads: the native kernel (ablate/model/native/
+paged_attention.c, reading each block where it lies) and the PyTorch path attention=paged falls back
+to (the blocks gathered through the tables, then SDPA); the median time of a call, the 95% interval of its geometric mean
+over rounds, and the K and V bytes the step reads over that time. The pool is larger than the
+machine's caches so that every call reads its blocks from memory, as a layer's do in a step.
+"""
+from __future__ import annotations
+
+from ablate import process_env
+
+process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ablate.analysis.stats import log_interval
+from ablate.measure import cpu_load
+from ablate.model import native
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+POOL_BYTES = 1 << 30       # each call reads a different slice of a pool this large: from memory, not the caches
+
+
+def case(batch: int, context: int, copies: int, gen: torch.Generator):
+    """`copies` independent steps' inputs, each over blocks of its own -> list of (q, tables, lens), and the
+    shared pools k, v (N, BLOCK, KV_HEADS, HEAD_DIM)."""
+    per_seq = -(-context // BLOCK)
+    num_blocks = per_seq * batch * copies
+    k = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(copies, batch, per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    return [(torch.randn(batch, HEADS, HEAD_DIM, generator=gen), order[c], lens) for c in range(copies)], k, v
+
+
+def gathered(q, k, v, tables, lens):
+    """attention=paged's PyTorch path for a decode step: every sequence's blocks gathered, then SDPA."""
+    kb = k[tables.long()].flatten(1, 2).transpose(1, 2)             # (B, H_kv, S, D)
+    vb = v[tables.long()].flatten(1, 2).transpose(1, 2)
+    mask = torch.arange(kb.shape[2])[None, :] < lens[:, None]        # (B, S)
+    out = F.scaled_dot_product_attention(q[:, :, None], kb, vb, attn_mask=mask[:, None, None], enable_gqa=True)
+    return out[:, :, 0]                                              # (B, H, D)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    if native.library() is None:
+        raise SystemExit(f"no native kernels here: {native.unavailable_reason()}")
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    print(f"{threads} threads; {HEADS} heads over {KV_HEADS} KV heads, D={HEAD_DIM}, blocks of {BLOCK}, "
+          f"context {args.context}")
+    print("| batch | kernel | µs per call [95% CI] | K+V GB/s | vs gather | CPU left to it |")
+    print("|---|---|---|---|---|---|")
+    for batch in args.batch:
+        step_bytes = 2 * batch * args.context * KV_HEADS * HEAD_DIM * 4
+        copies = max(2, POOL_BYTES // step_bytes)
+        steps, k, v = case(batch, args.context, copies, gen)
+        ways = {"native": lambda q, t, n: native.paged_decode_attention(q, k, v, t, n, threads),
+                "gather + SDPA": lambda q, t, n: gathered(q, k, v, t, n)}
+        q, t, n = steps[0]
+        torch.testing.assert_close(ways["native"](q, t, n), ways["gather + SDPA"](q, t, n), atol=1e-4, rtol=1e-4)
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        cpus = cpu_load.usable_cpus()
+        before = cpu_load.read(cpus)
+        for r in range(args.rounds):
+            for name, way in ways.items():
+                q, t, n = steps[(r * len(ways) + list(ways).index(name)) % copies]
+                start = time.perf_counter()
+                way(q, t, n)
+                times[name].append(time.perf_counter() - start)
+        after = cpu_load.read(cpus)
+        share = (f"{cpu_load.share_between(before, after, threads, len(cpus)).cpu_left_share:.2f}"
+                 if before and after else "not read")
+        gather = statistics.median(times["gather + SDPA"])
+        for name, seconds in times.items():
+            mid, spread = statistics.median(seconds), log_interval(seconds)
+            print(f"| {batch} | {name} | {mid * 1e6:.0f} [{spread.low * 1e6:.0f}, {spread.high * 1e6:.0f}] | "
+                  f"{step_bytes / mid / 1e9:.1f} | {gather / mid:.2f}x | {share} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""What a sliding window saves in the KV cache, measured: bytes held per sequence, ring against every token.
+"""What a sliding window saves in the KV cache, measured: bytes held per sequence, rings against blocks.
 
     .venv/bin/python benchmarks/windowed_kv.py [--window 128] [--lengths 512 2048] [--step-tokens 128] [--out DIR]
 
@@ -6,8 +6,9 @@ Random transformers models with windows (ablate.testing.hf_models: Mistral, ever
 one layer of two), saved and read back by ablate, hidden 256, 4 layers. One sequence of n prompt tokens
 and 16 new ones, chunked prefill of --step-tokens tokens a step, through the contiguous cache (a
 windowed layer keeps a ring of R = window - 1 + step tokens rows: ablate_kv_cache.slot_cache) and the
-paged one (every token's blocks). Per row: the bytes each cache holds at the end (KVCache.bytes_reserved,
-the contiguous cache's rows sized for this sequence alone), the live K/V the contiguous cache reports
+paged one (a windowed layer's blocks from its window on: ablate_kv_cache.paged). Per row: the bytes each
+cache holds at the end (KVCache.bytes_reserved, the contiguous cache's rows sized for this sequence
+alone), the most the paged cache held during a step (its blocks' peak), the live K/V the contiguous cache reports
 (bytes_used) against ModelConfig.kv_bytes_at(n) and against n tokens in every layer, and whether the two
 caches' greedy tokens agree with transformers' own (the window applied, not just stored).
 """
@@ -32,8 +33,8 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_at
 NEW_TOKENS = 16
 
 
-def run(model, kv_cache: str, prompt: list[int], step_tokens: int, registry) -> tuple[list[int], int, int]:
-    """(greedy tokens, bytes reserved at the end, live bytes at the end) of one sequence."""
+def run(model, kv_cache: str, prompt: list[int], step_tokens: int, registry) -> tuple[list[int], int, int, dict]:
+    """(greedy tokens, bytes reserved at the end, live bytes at the end, the cache's stats) of one sequence."""
     arm = resolve_arm(kv_cache, {"kv_cache": kv_cache, "attention": "sdpa"}, baseline_configs(registry), registry)
     engine = EngineConfig(max_num_seqs=1, max_num_batched_tokens=step_tokens)
     built = build_arm(arm, model, engine, len(prompt) + NEW_TOKENS, registry)
@@ -47,7 +48,7 @@ def run(model, kv_cache: str, prompt: list[int], step_tokens: int, registry) -> 
             held.update(reserved=cache.bytes_reserved(), used=cache.bytes_used())
         cache.keep = measured_keep
         [seq] = built.engine.run([Request(0, tuple(prompt), NEW_TOKENS)])
-        return list(seq.output_token_ids), held["reserved"], held["used"]
+        return list(seq.output_token_ids), held["reserved"], held["used"], cache.stats()
     finally:
         built.close()
 
@@ -69,14 +70,15 @@ def main() -> None:
             for n in args.lengths:
                 prompt = random_prompt(n, vocab_size=cfg.vocab_size)
                 want = greedy(hf_logits(hf), prompt, NEW_TOKENS)
-                ring_tokens, ring_reserved, ring_used = run(model, "contiguous", prompt, args.step_tokens, registry)
-                paged_tokens, paged_reserved, _ = run(model, "paged", prompt, args.step_tokens, registry)
+                ring_tokens, ring_reserved, ring_used, _ = run(model, "contiguous", prompt, args.step_tokens, registry)
+                paged_tokens, paged_reserved, _, paged = run(model, "paged", prompt, args.step_tokens, registry)
                 total = n + NEW_TOKENS - 1               # tokens whose K/V is kept (the last is never fed)
                 rows.append({
                     "kind": kind, "window": args.window, "windowed_layers": sum(
                         cfg.layer_window(layer) is not None for layer in range(cfg.n_layers)),
                     "layers": cfg.n_layers, "tokens": total, "ring_rows": args.window - 1 + args.step_tokens,
                     "contiguous_reserved_mib": ring_reserved / 2**20, "paged_reserved_mib": paged_reserved / 2**20,
+                    "paged_peak_mib": paged["kv_blocks_used_peak"] * paged["kv_block_bytes"] / 2**20,
                     "saved": 1 - ring_reserved / paged_reserved,
                     "live_bytes": ring_used, "kv_bytes_at": cfg.kv_bytes_at(total),
                     "every_token_bytes": total * cfg.kv_bytes_per_token(),

@@ -123,7 +123,9 @@ class PaddedKV:
 
 @dataclass
 class PagedKV:
-    """A pool of fixed-size blocks and, per sequence, the table of blocks it owns (paged cache)."""
+    """A pool of fixed-size blocks and, per sequence, the table of blocks it owns (paged cache).
+    A windowed layer's table may name any block for positions before every query's window (blocks the
+    cache gave back): those positions must be masked by the window, as causal_mask(step, S, window) does."""
 
     k_cache: torch.Tensor        # (num_blocks, block_size, H_kv, D)
     v_cache: torch.Tensor

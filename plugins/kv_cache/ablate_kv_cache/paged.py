@@ -72,9 +72,10 @@ class PagedKVCache(KVCache):
         super().__init__(config, ctx)
         s = self.spec
         self.block_size = bs = config.block_size
-        # layer -> (its group, its index in the pool's layers); one group of every layer without windows
+        # layers by window, one block table each (one group of every layer without windows)
         self.groups = layer_groups(s, free_outside_windows=not config.prefix_caching)
         self.windowed = any(group.window is not None for group in self.groups)
+        # layer -> (its group, its index in the pool's layers)
         self._where = {layer: (g, i) for g, group in enumerate(self.groups) for i, layer in enumerate(group.layers)}
         group_layers = len(self.groups[0].layers)
         self.block_bytes = bs * s.bytes_per_token * group_layers // s.num_layers

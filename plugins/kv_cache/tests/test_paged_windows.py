@@ -268,6 +268,20 @@ def test_a_budget_of_a_few_windows_admits_sequences_that_every_block_would_not(p
     assert stats["predicted_seqs_admitted"] == 2, stats
 
 
+def test_sequences_preempted_for_want_of_blocks_are_recomputed_to_transformers_text(pairs, ablate_registry, expected):
+    """A budget of one sequence's window blocks and two more: the sequences take blocks from each other
+    (preempted, recomputed from their first token), and the text is still transformers'."""
+    model, _ = pairs("mistral-window")
+    block_bytes = BLOCK * model.config.kv_bytes_per_token()
+    spec = {"kv_cache": paged(budget_bytes=(window_bound(8) + 2) * block_bytes), "attention": "sdpa",
+            "scheduler": CHUNKED}
+    built = build(ablate_registry, model, spec, max_num_batched_tokens=8)
+    seqs = built.engine.run(requests(PROMPTS, NEW_TOKENS))
+    assert outputs(seqs) == expected("mistral-window")
+    assert sum(s.num_preemptions for s in seqs) > 0
+    built.engine.runner.kv_cache.manager.check_invariants()
+
+
 def test_prefix_caching_keeps_every_block_in_one_group(pairs, ablate_registry, expected):
     """A freed block's prefix could not be matched whole: with prefix caching every layer shares one
     table and no block is freed, and the text is still transformers'."""

@@ -71,8 +71,8 @@ def test_bf16_rms_norm_computes_the_models_bf16_norm(shape):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, native.SMALL_ROWS, native.SMALL_ROWS + 1])
-def test_rmsnorm_takes_the_kernel_for_a_few_rows_only(rows, dtype, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 17, 2000])     # 2000 x 24 floats: past PARALLEL_FLOATS, split between threads
+def test_rmsnorm_takes_the_kernel_at_any_row_count(rows, dtype, monkeypatch):
     calls = []
     kernel = native.rms_norm
     monkeypatch.setattr(native, "rms_norm", lambda *args: calls.append(1) or kernel(*args))
@@ -82,10 +82,19 @@ def test_rmsnorm_takes_the_kernel_for_a_few_rows_only(rows, dtype, monkeypatch):
     x = torch.randn(rows, 24, dtype=dtype)
     with torch.inference_mode():
         got = norm(x)
-    assert len(calls) == (rows <= native.SMALL_ROWS)
+    assert len(calls) == (dtype == torch.float32 or rows <= native.BF16_ROWS)
     want = F.rms_norm(x.float(), (24,), eps=1e-6).to(dtype) * norm.weight.detach()
     tolerance = 1e-5 if dtype == torch.float32 else 2.0 ** -7
     torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+@needs_native
+def test_a_norm_whose_input_keeps_a_gradient_takes_torchs_path(monkeypatch):
+    """The kernels keep no autograd graph: where one is needed, torch's operations run, and the gradient flows."""
+    monkeypatch.setattr(native, "rms_norm", lambda *args: pytest.fail("the kernel ran on a tensor that needs a gradient"))
+    x = torch.randn(3, 24, requires_grad=True)
+    RMSNorm(24, 1e-6)(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
 
 
 @needs_native
@@ -101,17 +110,19 @@ def test_rope_computes_rotate_half(tokens, heads, dim):
 
 
 @needs_native
-def test_silu_mul_computes_swiglus_activation():
-    gate_up = torch.randn(3, 2 * 40)
-    gate, up = gate_up.split(40, dim=-1)
+@pytest.mark.parametrize("rows, width", [(3, 40), (100, 400)])   # 2 vectors + a tail of 8; 100 x 400: split between threads
+def test_silu_mul_computes_swiglus_activation(rows, width):
+    gate_up = torch.randn(rows, 2 * width) * 8
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -90.0])    # exp16's ends: e^-|g| of 0 and below -60
+    gate, up = gate_up.split(width, dim=-1)
     torch.testing.assert_close(native.silu_mul(gate_up), F.silu(gate) * up)
 
 
 @needs_native
-@pytest.mark.parametrize("tokens", [1, native.SMALL_ROWS, native.SMALL_ROWS + 1])
-def test_a_layer_takes_the_elementwise_kernels_for_a_few_tokens_only(tokens, monkeypatch):
-    """Inside a decoder layer: RoPE and SwiGLU's activation through the kernels up to SMALL_ROWS tokens,
-    the same values as torch's operations either way."""
+@pytest.mark.parametrize("tokens", [1, native.SMALL_ROWS + 1, 700])
+def test_a_layer_takes_the_elementwise_kernels_at_any_token_count(tokens, monkeypatch):
+    """Inside a decoder layer: RoPE and SwiGLU's activation through the kernels, a decode token or a
+    prefill's hundreds (split between threads), the same values as torch's operations."""
     from ablate.model.rope import apply_rope
 
     model = LlamaModel.random(preset("tiny"))
@@ -125,7 +136,7 @@ def test_a_layer_takes_the_elementwise_kernels_for_a_few_tokens_only(tokens, mon
     cos, sin = model.rope.tables(torch.arange(tokens), torch.float32)
     with torch.inference_mode():
         got_mlp, got_rope = mlp(x), apply_rope(q, cos, sin)
-    assert calls == (["silu_mul", "rope"] if tokens <= native.SMALL_ROWS else [])
+    assert calls == ["silu_mul", "rope"]
     gate, up = F.linear(x, mlp.w_gate_up.weight).split(mlp.d_ff, dim=-1)
     torch.testing.assert_close(got_mlp, F.linear(F.silu(gate) * up, mlp.w_down.weight), atol=1e-4, rtol=1e-4)
     q1, q2 = q.chunk(2, dim=-1)

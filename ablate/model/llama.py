@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x / sqrt(mean(x^2) + eps) * w, normalised in fp32 as the reference implementations do
-        if native.takes(x, native.NORM_DTYPES) and self.weight.dtype == x.dtype:   # a few rows: one call, not six
+        if native.takes(x, native.NORM_DTYPES) and self.weight.dtype == x.dtype:   # one pass, not six operations
             return native.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
@@ -104,7 +104,7 @@ class SwiGLU(nn.Module):
         if self.gelu:
             gate, up = gate_up.split(self.d_ff, dim=-1)
             return self.w_down(F.gelu(gate, approximate="tanh") * up)
-        if native.takes(gate_up):                                            # a few rows: one call, not three
+        if native.takes(gate_up):                                            # one pass, not three operations
             return self.w_down(native.silu_mul(gate_up))
         gate, up = gate_up.split(self.d_ff, dim=-1)
         return self.w_down(F.silu(gate) * up)

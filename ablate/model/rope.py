@@ -74,7 +74,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x (T, H, D); cos, sin (T, 1, D)
-    if native.takes(x) and cos.dtype == torch.float32:     # a few tokens: one call, not six operations
+    if native.takes(x) and cos.dtype == torch.float32:     # one pass, not six operations
         return native.rope(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -1,8 +1,8 @@
 """ablate's own CPU kernels, in C compiled here, grouped by concern:
 
 - steps.c / steps.py: a matrix-vector product (one of the paths a product of a few rows can take:
-  ablate/model/linear.py times it against the others), RMSNorm, RoPE and SwiGLU's activation for a
-  few tokens;
+  ablate/model/linear.py times it against the others), and RMSNorm, RoPE and SwiGLU's activation in
+  one pass each;
 - paged_attention.c / attention.py: decode attention reading a paged KV cache's blocks in place
   (attention=paged through ablate.api.native);
 - vectors.h: the vector helpers both share;
@@ -14,8 +14,9 @@ Their tests: tests/test_native.py.
 """
 from ablate.model.native.attention import MAX_TASK_FLOATS, paged_decode_attention, paged_decode_problem
 from ablate.model.native.build import LIBRARY, DamagedCache, available, library, state, unavailable_reason
-from ablate.model.native.steps import MATVEC_DTYPES, NORM_DTYPES, SMALL_ROWS, matvec, rms_norm, rope, silu_mul, takes
+from ablate.model.native.steps import (BF16_ROWS, MATVEC_DTYPES, NORM_DTYPES, SMALL_ROWS, matvec, rms_norm, rope,
+                                      silu_mul, takes)
 
-__all__ = ["LIBRARY", "MATVEC_DTYPES", "MAX_TASK_FLOATS", "NORM_DTYPES", "SMALL_ROWS", "DamagedCache", "available", "library", "matvec",
+__all__ = ["BF16_ROWS", "LIBRARY", "MATVEC_DTYPES", "MAX_TASK_FLOATS", "NORM_DTYPES", "SMALL_ROWS", "DamagedCache", "available", "library", "matvec",
            "paged_decode_attention", "paged_decode_problem", "rms_norm", "rope", "silu_mul", "state", "takes",
            "unavailable_reason"]

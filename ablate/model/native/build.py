@@ -38,10 +38,10 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_long
 SIGNATURES = {
     "matvec": ([_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int], None),
     "matvec_bf16": ([_p, _p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int], None),
-    "rms_norm": ([_p, _p, _p, _i64, _i64, ctypes.c_float], None),
-    "rms_norm_bf16": ([_p, _p, _p, _i64, _i64, ctypes.c_float], None),
-    "rope": ([_p, _p, _p, _p, _i64, _i64, _i64], None),
-    "silu_mul": ([_p, _p, _i64, _i64], None),
+    "rms_norm": ([_p, _p, _p, _i64, _i64, ctypes.c_float, ctypes.c_int], None),
+    "rms_norm_bf16": ([_p, _p, _p, _i64, _i64, ctypes.c_float, ctypes.c_int], None),
+    "rope": ([_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int], None),
+    "silu_mul": ([_p, _p, _i64, _i64, ctypes.c_int], None),
     "paged_decode_attention": ([_p] * 6 + [_i64] * 6 + [ctypes.c_float, ctypes.c_int], None),
 }
 

@@ -100,9 +100,14 @@ void matvec_bf16(const bf16 *w, const bf16 *x16, const bf16 *b16, bf16 *y16, flo
     for (long i = 0; i < m * d_out; i++) y16[i] = float_to_bf16(y[i]);
 }
 
+/* The elementwise kernels below split their rows between `threads` threads once a call holds this many
+ * floats; below it one thread does the call, sooner than the others could be woken. */
+enum { PARALLEL_FLOATS = 32768 };
+
 /* y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, for each of `rows` rows of n: one pass where torch's
  * composite rms_norm makes six operations (square, mean, add, rsqrt, two multiplies). */
-void rms_norm(const float *x, const float *w, float *y, long rows, long n, float eps) {
+void rms_norm(const float *x, const float *w, float *y, long rows, long n, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * n >= PARALLEL_FLOATS)
     for (long t = 0; t < rows; t++) {
         const float *xt = x + t * n;
         float *yt = y + t * n;
@@ -113,7 +118,8 @@ void rms_norm(const float *x, const float *w, float *y, long rows, long n, float
 
 /* The same for bf16 x and w, as the model's bf16 RMSNorm computes it: x normalised in fp32, rounded to
  * bf16, then times w rounded again (a bf16 product) */
-void rms_norm_bf16(const bf16 *x, const bf16 *w, bf16 *y, long rows, long n, float eps) {
+void rms_norm_bf16(const bf16 *x, const bf16 *w, bf16 *y, long rows, long n, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * n >= PARALLEL_FLOATS)
     for (long t = 0; t < rows; t++) {
         const bf16 *xt = x + t * n;
         bf16 *yt = y + t * n;
@@ -127,8 +133,10 @@ void rms_norm_bf16(const bf16 *x, const bf16 *w, bf16 *y, long rows, long n, flo
 
 /* RoPE, rotate-half layout, over x (rows, heads, D) with cos, sin (rows, D), D = 2 half:
  * y[i] = x[i] cos[i] - x[i + half] sin[i],  y[i + half] = x[i + half] cos[i + half] + x[i] sin[i + half] */
-void rope(const float *x, const float *cosines, const float *sines, float *y, long rows, long heads, long dim) {
+void rope(const float *x, const float *cosines, const float *sines, float *y, long rows, long heads, long dim,
+          int threads) {
     long half = dim / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * heads * dim >= PARALLEL_FLOATS)
     for (long t = 0; t < rows; t++) {
         const float *c = cosines + t * dim, *s = sines + t * dim;
         for (long h = 0; h < heads; h++) {
@@ -142,11 +150,24 @@ void rope(const float *x, const float *cosines, const float *sines, float *y, lo
     }
 }
 
-/* SwiGLU's activation: y (rows, F) = silu(gate) * up for gate_up (rows, 2F) = [gate | up],
- * silu(g) = g / (1 + exp(-g)) */
-void silu_mul(const float *gate_up, float *y, long rows, long f) {
+/* SwiGLU's activation: y (rows, F) = silu(gate) * up for gate_up (rows, 2F) = [gate | up], silu(g) =
+ * g sigmoid(g), 16 columns at a time. exp16 takes x <= 0, so with e = e^-|g|: sigmoid(g) = 1 / (1 + e)
+ * for g >= 0 and e / (1 + e) for g < 0 (the same value, without e^-g overflowing for large -g). */
+void silu_mul(const float *gate_up, float *y, long rows, long f, int threads) {
+    const vec16 one = (vec16){0} + 1.0f;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * f >= PARALLEL_FLOATS)
     for (long t = 0; t < rows; t++) {
         const float *g = gate_up + t * 2 * f, *u = g + f;
-        for (long i = 0; i < f; i++) y[t * f + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        float *yt = y + t * f;
+        long i = 0;
+        for (; i + 16 <= f; i += 16) {
+            vec16 gv = load16(g + i);
+            ivec16 neg = gv < 0.0f;
+            vec16 e = exp16((vec16)(((ivec16)gv & neg) | ((ivec16)(-gv) & ~neg)));     /* e^-|g| */
+            vec16 sigmoid = (vec16)(((ivec16)e & neg) | ((ivec16)one & ~neg)) / (one + e);
+            vec16 out = gv * sigmoid * load16(u + i);
+            memcpy(yt + i, &out, sizeof out);
+        }
+        for (; i < f; i++) yt[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }

@@ -1,12 +1,11 @@
-"""The kernels of steps of a few tokens (steps.c): a matrix-vector product for products of a few
-rows (one of the paths ablate/model/linear.py times), and RMSNorm, RoPE and SwiGLU's activation in one
-call each.
+"""The CPU kernels of steps.c: a matrix-vector product for products of a few rows (one of the paths
+ablate/model/linear.py times), and RMSNorm, RoPE and SwiGLU's activation in one call each.
 
 Why: at a few rows a product reads each weight once, so a decode step runs at the speed its weights
 stream from memory; matvec reads W where the model holds it, row-major, and each block of W once for
 all the rows (what it reached against MKL and numpy's BLAS: docs/cpu-products.md). It is one more path
 that the product-path timing weighs against the others, not a replacement. And torch's RMSNorm on a CPU is six
-operations; for a few rows their dispatch is the whole cost.
+operations, each a pass over x (RoPE six, SwiGLU's activation three): one pass does the same work.
 """
 from __future__ import annotations
 
@@ -14,18 +13,21 @@ import torch
 
 from ablate.model.native.build import available, library
 
-# RMSNorm, RoPE and SwiGLU's activation take the native kernels up to this many tokens (a decode
-# batch, a verify pass): there torch's cost is its operations' dispatch (six for RMSNorm, six for RoPE,
-# three for the activation), each against caches the weights just evicted; past it, torch's threads
-# are worth their start-up
+# the most rows the matrix-vector kernel takes: past it a product reuses each weight across its rows, and
+# MKL's blocked GEMM is the faster (linear.py times the paths up to here)
 SMALL_ROWS = 16
+BF16_ROWS = 256     # the most rows bf16 RMSNorm takes the kernel for (takes())
 
 
 def takes(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
-    """Whether the elementwise kernels (rms_norm, rope, silu_mul) take x, tokens first: of `dtypes`
-    (fp32; rms_norm: NORM_DTYPES) on the CPU, at most SMALL_ROWS tokens, outside torch.compile (which
-    cannot trace a ctypes call), built."""
-    return (x.dtype in dtypes and x.device.type == "cpu" and x.shape[0] <= SMALL_ROWS
+    """Whether the elementwise kernels (rms_norm, rope, silu_mul) take x: of `dtypes` (fp32; rms_norm:
+    NORM_DTYPES) on the CPU, with no gradient to keep, outside torch.compile (which cannot trace a
+    ctypes call), built. Any number of rows: each kernel is one pass over x where torch makes three to
+    six operations, split between torch's threads once a call is large (steps.c: PARALLEL_FLOATS);
+    from 1 to 8192 rows of SmolLM2's widths fp32 ran 1.1-8x torch's (benchmarks/elementwise_kernels.py). bf16
+    (rms_norm's scalar loop) up to BF16_ROWS, where it stops beating torch's."""
+    return (x.dtype in dtypes and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
+            and (x.dtype != torch.bfloat16 or x.shape[0] <= BF16_ROWS)
             and not torch.compiler.is_compiling() and available())
 
 
@@ -73,7 +75,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x, weight = x.contiguous(), weight.contiguous()
     y = torch.empty_like(x)
     kernel = library().rms_norm if x.dtype == torch.float32 else library().rms_norm_bf16
-    kernel(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps)
+    kernel(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
+           torch.get_num_threads())
     return y
 
 
@@ -81,7 +84,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (T, H, D) rotated by cos, sin (T, 1, D), rotate-half layout (ablate/model/rope.py) -> (T, H, D)."""
     x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
     y = torch.empty_like(x)
-    library().rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), *x.shape)
+    library().rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), *x.shape, torch.get_num_threads())
     return y
 
 
@@ -90,5 +93,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     rows, f = gate_up.shape[0], gate_up.shape[-1] // 2
     y = torch.empty(*gate_up.shape[:-1], f, dtype=gate_up.dtype, device=gate_up.device)
-    library().silu_mul(gate_up.data_ptr(), y.data_ptr(), rows, f)
+    library().silu_mul(gate_up.data_ptr(), y.data_ptr(), rows, f, torch.get_num_threads())
     return y

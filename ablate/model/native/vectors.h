@@ -61,4 +61,22 @@ static float dot(const float *w, const float *x, long n) {
     return s;
 }
 
+typedef int ivec16 __attribute__((vector_size(64)));
+
+/* e^x for x <= 0, 16 at a time: e^x = 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 in
+ * [-ln2/2, ln2/2], where e^r's Taylor series to r^6 is within 2e-7 of it; 2^n goes into the exponent
+ * bits (round(): adding 1.5 * 2^23 leaves n in the low mantissa bits, also as an integer). Below
+ * x = -60 the result is 0: e^-60 < 1e-26 is far beneath a softmax's precision, and weights that
+ * small would make subnormal products, which cost a hundred cycles each on x86. */
+static inline vec16 exp16(vec16 x) {
+    const vec16 zero = {0}, shift = zero + 12582912.0f;       /* 1.5 * 2^23 */
+    ivec16 tiny = x < -60.0f;
+    x = (vec16)(((ivec16)x & ~tiny) | ((ivec16)(zero - 60.0f) & tiny));
+    vec16 t = x * 1.44269504088896341f + shift;                /* x / ln 2 + shift */
+    vec16 n = t - shift;
+    vec16 r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;    /* ln 2, split for precision */
+    vec16 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+    return (vec16)(((ivec16)p + (((ivec16)t - (ivec16)shift) << 23)) & ~tiny);
+}
+
 #endif

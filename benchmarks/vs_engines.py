@@ -38,9 +38,12 @@ REPO = Path(__file__).resolve().parent.parent
 BATCH_1_ONLY = ("ablate_ngram_k4", "hf_prompt_lookup")
 
 
-# in bf16: llama.cpp on a BF16 rewrite of the same weights in place of its F32 and Q4_1 files
+# in bf16: llama.cpp on a BF16 rewrite of the same weights in place of its F32 and Q4_1 files; ablate on a
+# contiguous cache under SDPA (the paged-attention kernel reads fp32 caches only; a bf16 paged cache would be
+# gathered for SDPA every step), so its second arm goes
 BF16_ARMS = ["~experiment.arms.llamacpp_f32", "~experiment.arms.llamacpp_q4_1",
-             "+experiment.arms.llamacpp_bf16={engine: {name: llamacpp, weights: bf16}}"]
+             "+experiment.arms.llamacpp_bf16={engine: {name: llamacpp, weights: bf16}}",
+             "kv_cache=contiguous", "attention=sdpa", "~experiment.arms.ablate_contiguous_sdpa"]
 
 
 def run_batch(batch: int, repeats: int, results: Path, extra: list[str], dtype: str = "fp32") -> Path:

@@ -97,8 +97,10 @@ def test_target_cache_after_rejection(kv_cache, num_good, build, target, make_re
     assert_same_kv(cached_kv(cache, seq, valid), expected)
     assert cache.bytes_used() == ref_cache.bytes_used()
     if kv_cache == "paged":                                           # blocks past the valid tokens freed
-        assert cache.manager.num_tokens[seq.seq_id] == valid
-        assert len(cache.manager.block_table(seq.seq_id)) == len(ref_cache.manager.block_table(ref_seq.seq_id))
+        for group in range(len(cache.groups)):                            # each group's table: (seq_id, group)
+            assert cache.manager.num_tokens[seq.seq_id, group] == valid
+            assert (len(cache.manager.block_table((seq.seq_id, group)))
+                    == len(ref_cache.manager.block_table((ref_seq.seq_id, group))))
         assert cache.bytes_reserved() == ref_cache.bytes_reserved()
     # and decoding goes on to the target's greedy tokens
     while built.engine.scheduler.has_unfinished():

@@ -36,3 +36,36 @@ def _frozen_heap():
 
 def pytest_sessionfinish(session, exitstatus):
     gc.unfreeze()          # collectable again at exit (native bindings count what is left and complain)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """kind -> (our model loaded from its saved directory, transformers' model), a random model of
+    ablate.testing.hf_models built once per kind and test module."""
+    from ablate.checkpoints import load_model
+    from ablate.testing.hf_models import build_hf, pretrained, save_hf
+
+    cache = {}
+
+    def pair(kind: str):
+        if kind not in cache:
+            hf = build_hf(kind)
+            cache[kind] = load_model(pretrained(save_hf(hf, tmp_path_factory.mktemp(kind), sharded=False))), hf
+        return cache[kind]
+    return pair
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(pairs):
+    """(kind, prompts, n) -> transformers' greedy continuation of n tokens of each prompt, computed once."""
+    from ablate.testing.hf_models import greedy, hf_logits
+
+    cache = {}
+
+    def of(kind: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+        key = (kind, tuple(map(tuple, prompts)), n)
+        if key not in cache:
+            cache[key] = [greedy(hf_logits(pairs(kind)[1]), list(p), n) for p in prompts]
+        return cache[key]
+    return of
+

@@ -84,23 +84,6 @@ def prompt_tokens(length: int, seed: int, vocab_size: int = 256) -> tuple[int, .
     return tuple(torch.randint(0, vocab_size, (length,), generator=gen).tolist())
 
 
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    """kind -> (our model loaded from its saved directory, transformers' model), a random model of
-    ablate.testing.hf_models built once per kind and test module."""
-    from ablate.checkpoints import load_model
-    from ablate.testing.hf_models import build_hf, pretrained, save_hf
-
-    cache = {}
-
-    def pair(kind: str):
-        if kind not in cache:
-            hf = build_hf(kind)
-            cache[kind] = load_model(pretrained(save_hf(hf, tmp_path_factory.mktemp(kind), sharded=False))), hf
-        return cache[kind]
-    return pair
-
-
 @pytest.fixture
 def fresh_product_paths():
     """The CPU product paths chosen afresh in the test (PRODUCT_PATHS.reset: nothing chosen or forced,

@@ -22,7 +22,7 @@ from ablate.api.step import Batch
 from ablate.baselines.naive_attention import NaiveAttention, NaiveAttentionConfig
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.engine.teacher import teacher_forced_logits
-from ablate.testing.hf_models import build_hf, greedy, hf_logits, random_prompt, save_hf
+from ablate.testing.hf_models import build_hf, hf_logits, random_prompt, save_hf
 from ablate_kv_cache.contiguous import ContiguousConfig, ContiguousKVCache
 from test_graphs import emulate_graphs
 from test_model import make_step
@@ -157,15 +157,9 @@ NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def expected(pairs):
+def expected(hf_greedy):
     """kind -> transformers' greedy continuation of each prompt."""
-    memo = {}
-
-    def of(kind: str) -> list[list[int]]:
-        if kind not in memo:
-            memo[kind] = [greedy(hf_logits(pairs(kind)[1]), p, NEW_TOKENS) for p in PROMPTS]
-        return memo[kind]
-    return of
+    return lambda kind: hf_greedy(kind, PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("kind, kv_cache, attention, max_num_batched_tokens, scheduler", ENGINE_CASES)

@@ -18,7 +18,7 @@ from ablate.api.context import EngineConfig
 from ablate.api.sequence import Request
 from ablate.engine.arm import baseline_configs, build_arm, resolve_arm
 from ablate.engine.teacher import teacher_forced_logits
-from ablate.testing.hf_models import build_hf, greedy, hf_logits, random_prompt, save_hf
+from ablate.testing.hf_models import hf_logits, random_prompt
 from ablate_kv_cache.block_manager import NULL_BLOCK, BlockManager
 from ablate_kv_cache.layer_groups import LayerGroup, layer_groups
 from ablate_kv_cache.paged import PagedConfig, PagedKVCache
@@ -37,30 +37,9 @@ LONG = 120            # a sequence 15 windows long (the random models take 128 p
 
 
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    """kind -> (ablate's load of a random transformers model, the transformers model)."""
-    from ablate.checkpoints import load_model
-    from ablate.testing.hf_models import pretrained
-    memo = {}
-
-    def pair(kind: str):
-        if kind not in memo:
-            hf = build_hf(kind)
-            memo[kind] = load_model(pretrained(save_hf(hf, tmp_path_factory.mktemp(kind), sharded=False))), hf
-        return memo[kind]
-    return pair
-
-
-@pytest.fixture(scope="module")
-def expected(pairs):
+def expected(hf_greedy):
     """kind -> transformers' greedy continuation of each prompt."""
-    memo = {}
-
-    def of(kind: str) -> list[list[int]]:
-        if kind not in memo:
-            memo[kind] = [greedy(hf_logits(pairs(kind)[1]), p, NEW_TOKENS) for p in PROMPTS]
-        return memo[kind]
-    return of
+    return lambda kind: hf_greedy(kind, PROMPTS, NEW_TOKENS)
 
 
 def build(registry, model, spec: dict, max_num_batched_tokens: int, max_num_seqs: int = 2,

@@ -267,16 +267,19 @@ class BlockManager:
 
     def free_before(self, seq_id: int, position: int) -> int:
         """No query of the sequence reads a key before `position` again (a sliding window): give back
-        the blocks wholly before it, i < position // block_size, NULL_BLOCK in their place; how many."""
+        the blocks wholly before it, i < position // block_size, NULL_BLOCK in their place; how many.
+        The freed entries are a prefix of the table (the position only grows), so only the entries
+        since the last call are visited: a step's cost does not grow with the sequence."""
         if self.enable_prefix_caching:
             raise RuntimeError("free_before with prefix caching: a freed block's prefix could not be matched whole")
         table = self.block_table(seq_id)
-        end = min(_count("position", position) // self.block_size, len(table))
-        freed = [i for i in range(end) if table[i] != NULL_BLOCK]
-        for i in freed:
+        end = start = min(_count("position", position) // self.block_size, len(table))
+        while start > 0 and table[start - 1] != NULL_BLOCK:
+            start -= 1
+        for i in range(start, end):
             self._release(table[i])
             table[i] = NULL_BLOCK
-        return len(freed)
+        return end - start
 
     def _release(self, block_id: int) -> None:
         count = self.ref_counts.pop(block_id, 0)

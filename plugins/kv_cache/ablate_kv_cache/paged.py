@@ -188,9 +188,10 @@ class PagedKVCache(KVCache):
         slots = [[table[p // bs] * bs + p % bs
                   for table, n, end in zip(group, step.query_lens, step.context_lens) for p in range(end - n, end)]
                  for group in tables]
-        rows = [[[0 if b == NULL_BLOCK else b for b in t] + [0] * (width - len(t)) for t in group] for group in tables]
+        rows = [[t + [0] * (width - len(t)) for t in group] for group in tables]
         device = self.spec.device
-        step.plan["block_tables"] = device_tensor(rows, torch.int32, device)                  # (G, B, width)
+        # (G, B, width); freed entries (NULL_BLOCK = -1) to block 0 in one operation, not one test an entry
+        step.plan["block_tables"] = device_tensor(rows, torch.int32, device).clamp_(min=0)
         step.plan["slot_mapping"] = device_tensor(slots, torch.long, device)                  # (G, T)
 
     def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -219,7 +220,10 @@ class PagedKVCache(KVCache):
         group's live tokens are the last `window` (what ModelConfig.kv_bytes_at counts)."""
         manager = self.manager
         tables = manager.block_tables
-        if sum(b != NULL_BLOCK for t in tables.values() for b in t) == manager.num_used_blocks:   # nothing shared
+        # the entries held (a freed one, NULL_BLOCK, only in a windowed group's table) against the blocks in use
+        held = (sum(b != NULL_BLOCK for t in tables.values() for b in t) if self.windowed
+                else sum(len(t) for t in tables.values()))
+        if held == manager.num_used_blocks:   # nothing shared
             if not self.windowed:
                 return super().bytes_used()
             per_layer = self.bytes_per_token // self.spec.num_layers

@@ -7,8 +7,8 @@ One decode step of one layer of SmolLM2-135M's attention (9 query heads over 3 K
 holds at --context tokens each (engines_serving: 128-token prompts, up to 128 new tokens). Per batch
 size, interleaved round by round on torch's threads: the native kernel (ablate/model/native/
 paged_attention.c, reading each block where it lies) and the PyTorch path attention=paged falls back
-to (the blocks gathered through the tables, then SDPA); the median time of a call, the 95% interval of its geometric mean
-over rounds, and the K and V bytes the step reads over that time. The pool is larger than the
+to (the blocks gathered through the tables, then SDPA); the geometric mean time of a call and its 95%
+interval over rounds, and the K and V bytes the step reads over that time. The pool is larger than the
 machine's caches so that every call reads its blocks from memory, as a layer's do in a step.
 """
 from __future__ import annotations
@@ -18,7 +18,6 @@ from ablate import process_env
 process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -87,9 +86,10 @@ def main() -> None:
         after = cpu_load.read(cpus)
         share = (f"{cpu_load.share_between(before, after, threads, len(cpus)).cpu_left_share:.2f}"
                  if before and after else "not read")
-        gather = statistics.median(times["gather + SDPA"])
+        gather = log_interval(times["gather + SDPA"]).center
         for name, seconds in times.items():
-            mid, spread = statistics.median(seconds), log_interval(seconds)
+            spread = log_interval(seconds)
+            mid = spread.center
             print(f"| {batch} | {name} | {mid * 1e6:.0f} [{spread.low * 1e6:.0f}, {spread.high * 1e6:.0f}] | "
                   f"{step_bytes / mid / 1e9:.1f} | {gather / mid:.2f}x | {share} |")
 

@@ -24,8 +24,6 @@ static inline float hsum16(vec16 v) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
-
 /* The query heads one pass over a block serves together: they share the KV head whose keys and values
  * it reads once (grouped-query attention). A larger group is served in slices of this many. */
 enum { SLICE = 8, MAX_BLOCK = 256 };

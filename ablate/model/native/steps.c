@@ -165,8 +165,7 @@ void silu_mul(const float *gate_up, float *y, long rows, long f, int threads) {
             ivec16 neg = gv < 0.0f;
             vec16 e = exp16((vec16)(((ivec16)gv & neg) | ((ivec16)(-gv) & ~neg)));     /* e^-|g| */
             vec16 sigmoid = (vec16)(((ivec16)e & neg) | ((ivec16)one & ~neg)) / (one + e);
-            vec16 out = gv * sigmoid * load16(u + i);
-            memcpy(yt + i, &out, sizeof out);
+            store16(yt + i, gv * sigmoid * load16(u + i));
         }
         for (; i < f; i++) yt[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }

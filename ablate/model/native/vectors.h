@@ -22,6 +22,8 @@ static inline vec16 load16(const float *p) {
     return v;
 }
 
+static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
+
 /* bf16: the upper 16 bits of an fp32, so widening is a shift; rounding back is to nearest, ties to even */
 typedef unsigned short bf16;
 typedef unsigned int u32x16 __attribute__((vector_size(64), aligned(4)));

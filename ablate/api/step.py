@@ -3,6 +3,7 @@ and the logits that come back (StepLogits)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -81,6 +82,8 @@ class StepInputs:
     # the forward may then read per-sequence lengths only from the tensors (kv_lens_t), never from
     # the lists, whose values change between replays
     graphed: bool = False
+    # in a part of a step (StepInputs.part): the rows of the whole step its packed rows are, (T_part,)
+    rows_in_step: torch.Tensor | None = None
     _memo: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -115,6 +118,27 @@ class StepInputs:
         if key not in self._memo:
             self._memo[key] = make()
         return self._memo[key]
+
+    def part(self, seq_indices: list[int]) -> StepInputs:
+        """The step restricted to the sequences at `seq_indices` (in that order), for an attention plugin
+        that sends kinds of sequences through different kernels (one-query rows through a decode
+        kernel, longer ones through a prefill path): their queries' rows, positions and lengths, and
+        where those rows sit in this step (rows_in_step). It has no logits rows and no plan, which
+        attention does not read. Memoise it on this step: every layer asks for the same parts."""
+        if self.graphed:
+            raise ValueError("StepInputs.part reads the step's lists, which a replayed graph does not update")
+        device = self.input_ids.device
+        rows = [r for b in seq_indices for r in range(self.query_starts[b], self.query_starts[b + 1])]
+        rows_t = device_tensor(rows, torch.long, device)                            # (T_part,)
+        query_lens = [self.query_lens[b] for b in seq_indices]
+        starts = [0, *accumulate(query_lens)]
+        kv_lens = [self.kv_lens[b] for b in seq_indices]
+        return StepInputs(seqs=[self.seqs[b] for b in seq_indices], input_ids=self.input_ids[rows_t],
+                          positions=self.positions[rows_t], query_lens=query_lens,
+                          context_lens=[self.context_lens[b] for b in seq_indices], query_starts=starts,
+                          logits_indices=rows_t[:0], query_starts_t=device_tensor(starts, torch.int32, device),
+                          kv_lens=kv_lens, kv_lens_t=device_tensor(kv_lens, torch.int32, device),
+                          rows_in_step=rows_t)
 
     def query_pad_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Scatter packed queries into (B, max_query_len): returns (packed row -> padded row, valid mask)."""

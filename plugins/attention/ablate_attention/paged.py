@@ -5,8 +5,10 @@ ablate_kernels.paged_decode_attention (Triton; it also runs on the CPU under TRI
 tests) where it takes the shapes (ablate_attention.flash.unsupported_shape: a head dim that is a
 power of two in 16..256, K and V of that same width, fp16/bf16/fp32); on the CPU ablate's native
 kernel (ablate.api.native: C compiled here, fp32, one task per sequence and KV head). Elsewhere, and
-for steps that feed more than one token (prefill, chunks), the PyTorch path gathers every sequence's
-blocks through its table into (B, S, H_kv, D) and runs SDPA under the causal mask.
+for sequences that feed more than one token (prefill, chunks), the PyTorch path gathers every sequence's
+blocks through its table into (B, S, H_kv, D) and runs SDPA under the causal mask. A step that mixes
+both (continuous batching with chunked prefill) is run as two parts (StepInputs.part): its one-token
+sequences through the decode kernel, the rest through the gather.
 
 backend=auto times, on the first decode step of each kind (ablate_attention.decode_timing: keyed by
 device, dtype, heads, head dim, block size, a class of batch size and of context length, threads),
@@ -28,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from ablate.api import (Attention, BuildContext, KVView, LayerAttention, PagedKV, PluginConfig, Requirement, Slot, Stat,
-                        StepInputs, causal_mask, native, pad_queries, softcapped_attention, unpad_queries)
+                        StepInputs, causal_mask, device_tensor, native, pad_queries, softcapped_attention,
+                        unpad_queries)
 from ablate_attention import decode_timing
 from ablate_attention.flash import unsupported_shape
 
@@ -64,6 +67,17 @@ def gathered_attention(q: torch.Tensor, view: KVView, step: StepInputs,
         out = F.scaled_dot_product_attention(qp, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                              enable_gqa=True)
     return unpad_queries(out.transpose(1, 2), step)            # (T, H, D)
+
+
+def one_query_and_rest(step: StepInputs) -> list[tuple[torch.Tensor, StepInputs]] | None:
+    """A mixed step's sequences that feed one token and the others, each as (their indices in the step,
+    the part of the step they make); None unless the step has both."""
+    one = [b for b, n in enumerate(step.query_lens) if n == 1]
+    if not one or len(one) == step.num_seqs:
+        return None
+    rest = [b for b, n in enumerate(step.query_lens) if n != 1]
+    device = step.input_ids.device
+    return [(device_tensor(seqs, torch.long, device), step.part(seqs)) for seqs in (one, rest)]
 
 
 def decode_widths(ctx: BuildContext) -> tuple[int, int, int]:
@@ -186,6 +200,10 @@ class PagedAttention(Attention):
         if layer is not None:    # the decode kernels have no window or soft-cap: the gather's mask does it
             self.backends.setdefault(f"{kind}:{'+'.join(sorted(layer.features))}", "torch")
             return gathered_attention(q, view, step, layer)
+        if not step.is_decode and self.decode_kernel != "torch" and isinstance(view, PagedKV):
+            parts = step.memo("paged/one_query_and_rest", lambda: one_query_and_rest(step))
+            if parts is not None:
+                return self._mixed(q, view, parts)
         # K/V the model built from the cached rows itself (MLA's explicit path up-projects its latents
         # into a PaddedKV) have no block tables to walk: the generic gather reads any view
         if not (step.is_decode and self.decode_kernel != "torch" and isinstance(view, PagedKV)):
@@ -205,6 +223,21 @@ class PagedAttention(Attention):
             return self._timed(q, view, step)
         self.backends[kind] = self._label(self.decode_kernel)
         return self._run(self.decode_kernel, q, view, step)
+
+    def _mixed(self, q: torch.Tensor, view: PagedKV, parts: list[tuple[torch.Tensor, StepInputs]]) -> torch.Tensor:
+        """A step where decoding sequences run beside prompts (continuous batching's mixed steps): the
+        one-query sequences through the decode kernel, the rest through the gather, each over its own
+        block tables; padding every sequence to the longest query would multiply the decode rows'
+        work by it, under a mask SDPA cannot skip. q (T, H, D) -> (T, H, D_v)."""
+        out = None
+        for seq_index, part in parts:
+            rows = part.rows_in_step
+            part_out = self(q.index_select(0, rows), PagedKV(view.k_cache, view.v_cache,
+                                                             view.block_tables.index_select(0, seq_index)), part)
+            if out is None:
+                out = part_out.new_empty(q.shape[0], *part_out.shape[1:])         # (T, H, D_v)
+            out.index_copy_(0, rows, part_out)
+        return out
 
     def _label(self, kernel: str) -> str:
         return self.kernel if kernel == "triton" else kernel

@@ -8,6 +8,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import itertools  # noqa: E402
 import random  # noqa: E402
 
 import pytest  # noqa: E402
@@ -30,11 +31,13 @@ needs_triton = pytest.mark.skipif(
 
 
 def decode_step(context_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                seed: int = 0) -> tuple[torch.Tensor, PagedKV, StepInputs]:
-    """One decode step over a pool whose blocks are handed out in a shuffled order, with garbage in
-    every slot no sequence owns (it must never be read)."""
+                seed: int = 0, query_lens: list[int] | None = None) -> tuple[torch.Tensor, PagedKV, StepInputs]:
+    """One step over a pool whose blocks are handed out in a shuffled order, with garbage in every
+    slot no sequence owns (it must never be read): a decode step, or with query_lens each sequence's
+    last query_lens[b] tokens fed (a prompt, a chunk of one, or one token)."""
     gen = torch.Generator().manual_seed(seed)
     batch = len(context_lens)
+    query_lens = query_lens or [1] * batch
     tables = [-(-c // block_size) for c in context_lens]
     num_blocks = sum(tables) + 3
     order = torch.randperm(num_blocks, generator=gen).tolist()
@@ -45,13 +48,14 @@ def decode_step(context_lens: list[int], block_size: int, num_heads: int, num_kv
         order = order[n:]
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)   # (N, bs, H_kv, D)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    q = torch.randn(batch, num_heads, head_dim, generator=gen)                            # (B, H, D)
+    starts = [0, *itertools.accumulate(query_lens)]
+    q = torch.randn(starts[-1], num_heads, head_dim, generator=gen)                       # (T, H, D)
     seqs = [Sequence(Request(b, (1,) * c, 1)) for b, c in enumerate(context_lens)]
     step = StepInputs(
-        seqs=seqs, input_ids=torch.ones(batch, dtype=torch.long),
-        positions=torch.tensor([c - 1 for c in context_lens]), query_lens=[1] * batch,
-        context_lens=list(context_lens), query_starts=list(range(batch + 1)),
-        logits_indices=torch.arange(batch), query_starts_t=torch.arange(batch + 1, dtype=torch.int32))
+        seqs=seqs, input_ids=torch.ones(starts[-1], dtype=torch.long),
+        positions=torch.tensor([p for c, n in zip(context_lens, query_lens) for p in range(c - n, c)]),
+        query_lens=list(query_lens), context_lens=list(context_lens), query_starts=starts,
+        logits_indices=torch.tensor(starts[1:]) - 1, query_starts_t=torch.tensor(starts, dtype=torch.int32))
     return q, PagedKV(k_cache, v_cache, block_tables), step
 
 
@@ -90,6 +94,68 @@ def test_greedy_tokens_through_the_decode_kernel_equal_the_baseline(attention, k
     if kernel == "triton":
         kernel = ablate_kernels.backend_label(next(ablate_tiny_model.parameters()).device)   # triton(-interpreted)
     assert built.plugins[Slot.ATTENTION].backend == f"paged(decode={kernel},prefill=torch)"
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("native", marks=needs_native),
+                                    pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("context_lens, query_lens", [
+    ([9, 16, 5, 23], [1, 16, 1, 7]),      # decodes between a whole prompt and a chunk after a prefix
+    ([30, 4, 12], [30, 1, 3]),            # one decode row among prompts
+    ([8, 13, 2, 17, 6], [1, 1, 2, 1, 6]), # decode rows first, as the continuous scheduler orders them
+])
+def test_a_mixed_step_runs_its_decode_rows_through_the_kernel_and_equals_the_gather(
+        kernel, context_lens, query_lens, ablate_registry, ablate_tiny_model):
+    cfg = ablate_tiny_model.config
+    arm = resolve_arm("t", {"kv_cache": "paged", "attention": {"name": "paged", "backend": kernel}},
+                      baseline_configs(ablate_registry), ablate_registry)
+    built = build_arm(arm, ablate_tiny_model, EngineConfig(max_num_seqs=len(context_lens)), 32, ablate_registry)
+    attention = built.plugins[Slot.ATTENTION]
+    q, view, step = decode_step(context_lens, 4, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, seed=len(context_lens),
+                                query_lens=query_lens)
+    out = attention(q, view, step)                                                   # (T, H, D)
+    torch.testing.assert_close(out, paged_attention.gathered_attention(q, view, step), atol=1e-5, rtol=1e-5)
+    label = ablate_kernels.backend_label(q.device) if kernel == "triton" else kernel
+    assert attention.backend == f"paged(decode={label},prefill=torch)"
+    built.close()
+
+
+def test_step_parts_keep_their_rows_lengths_and_positions():
+    q, view, step = decode_step([9, 16, 5, 23], 4, 2, 1, 8, query_lens=[1, 16, 1, 7])
+    part = step.part([3, 0])
+    assert part.query_lens == [7, 1] and part.context_lens == [23, 9] and part.kv_lens == [23, 9]
+    assert part.query_starts == [0, 7, 8] and part.query_starts_t.tolist() == [0, 7, 8]
+    assert part.rows_in_step.tolist() == [*range(18, 25), 0]
+    assert part.positions.tolist() == [*range(16, 23), 8] and part.kv_lens_t.tolist() == [23, 9]
+    assert [s.seq_id for s in part.seqs] == [3, 0]
+
+
+def test_greedy_tokens_through_mixed_steps_equal_the_baseline(ablate_registry, ablate_tiny_model, monkeypatch):
+    """Continuous batching with chunked prefill: prompts and their chunks share steps with decoding
+    sequences, whose rows the decode kernel takes."""
+    rng = random.Random(1)
+    requests = [Request(i, tuple(rng.randrange(256) for _ in range(p)), n)
+                for i, (p, n) in enumerate([(3, 9), (21, 6), (14, 7), (6, 8)])]
+    steps = []
+
+    def run(spec, engine):
+        arm = resolve_arm("t", spec, baseline_configs(ablate_registry), ablate_registry)
+        built = build_arm(arm, ablate_tiny_model, engine, 32, ablate_registry)
+        seqs = built.engine.run(requests)
+        return [s.output_token_ids for s in seqs], built
+
+    baseline, _ = run({}, EngineConfig(max_num_seqs=4))
+    spec = {"kv_cache": {"name": "paged", "block_size": 4}, "attention": "paged",
+            "scheduler": {"name": "continuous", "chunked_prefill": True, "prefill_chunk": 5}}
+    attention_call = paged_attention.PagedAttention._mixed
+
+    def spy(self, q, view, parts):
+        steps.append([p.query_lens for _, p in parts])
+        return attention_call(self, q, view, parts)
+
+    monkeypatch.setattr(paged_attention.PagedAttention, "_mixed", spy)
+    tokens, _ = run(spec, EngineConfig(max_num_seqs=4, max_num_batched_tokens=8))
+    assert tokens == baseline
+    assert steps, "no step mixed decoding sequences with prompts"
 
 
 def test_the_backend_that_ran_is_recorded_and_a_fallback_is_said(ablate_registry, ablate_tiny_model, monkeypatch):

@@ -35,8 +35,9 @@ enum { SLICE = 8, MAX_BLOCK = 256 };
  * exp(s_j - m') v_j. kb, vb: the block's key and value of this KV head for key 0; key j at
  * + j * key_stride. Each key and value is read once for the slice's g heads, whose g multiply-add
  * chains are independent. */
-static void attend_block(const float *q, const float *kb, const float *vb, long n, long key_stride, long dim, long g,
-                         float scale, float *m, float *l, float *acc) {
+static inline __attribute__((always_inline)) void
+attend_block_of(const float *q, const float *kb, const float *vb, long n, long key_stride, long dim, const long g,
+                float scale, float *m, float *l, float *acc) {
     long body = dim / 16 * 16;
     float s[SLICE][MAX_BLOCK + 16];                       /* scores, then weights; whole vectors read */
     for (long j = 0; j < n; j++) {                        /* s[i][j] = scale q_i . k_j */
@@ -80,6 +81,18 @@ static void attend_block(const float *q, const float *kb, const float *vb, long 
     for (long c = body; c < dim; c++)
         for (long i = 0; i < g; i++)
             for (long j = 0; j < n; j++) acc[i * dim + c] += s[i][j] * vb[j * key_stride + c];
+}
+
+/* attend_block_of compiled once per slice width: with g a constant its loops over the heads unroll and
+ * the g running sums stay in registers, where a runtime g kept them in memory, one store and reload
+ * per multiply-add. */
+static void attend_block(const float *q, const float *kb, const float *vb, long n, long key_stride, long dim, long g,
+                         float scale, float *m, float *l, float *acc) {
+    switch (g) {
+#define WIDTH(G) case G: attend_block_of(q, kb, vb, n, key_stride, dim, G, scale, m, l, acc); break;
+    WIDTH(1) WIDTH(2) WIDTH(3) WIDTH(4) WIDTH(5) WIDTH(6) WIDTH(7) WIDTH(8)
+#undef WIDTH
+    }
 }
 
 /* Decode attention over a paged KV cache, reading each block where it lies (nothing is gathered):

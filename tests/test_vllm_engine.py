@@ -26,16 +26,19 @@ def server(options: dict, monkeypatch) -> vllm.VLLMServer:
 
 def test_the_arms_options_become_vllms_flags(monkeypatch, tmp_path):
     monkeypatch.setenv(vllm.PYTHON_ENV, "/opt/vllm/bin/python")
-    command = server({"prefix_caching": True, "ngram_k": 4, "enforce_eager": True}, monkeypatch).command(tmp_path, 8123, 16)
+    command = server({"prefix_caching": True, "ngram_k": 4, "enforce_eager": True, "max_num_batched_tokens": 2048},
+                     monkeypatch).command(tmp_path, 8123, 16)
     assert command[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     flags = " ".join(command)
     for flag in ("--skip-tokenizer-init", "--dtype float32", "--max-num-seqs 16", "--port 8123", "--enforce-eager",
-                 "--enable-prefix-caching", "--enable-chunked-prefill", f"--model {tmp_path}"):
+                 "--enable-prefix-caching", "--enable-chunked-prefill", f"--model {tmp_path}",
+                 "--max-num-batched-tokens 2048"):
         assert flag in flags
     spec = json.loads(command[command.index("--speculative-config") + 1])
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 4
     plain = " ".join(server({}, monkeypatch).command(tmp_path, 1, 1))
     assert "--no-enable-prefix-caching" in plain and "--speculative-config" not in plain and "--enforce-eager" not in plain
+    assert "--max-num-batched-tokens" not in plain          # 0: vLLM's own default
 
 
 def test_it_binds_the_threads_ablates_arms_use(monkeypatch):
@@ -46,6 +49,7 @@ def test_it_binds_the_threads_ablates_arms_use(monkeypatch):
 
 @pytest.mark.parametrize("options, says", [
     ({"ngram_k": -1}, "test.ngram_k must be >= 0, got -1"),
+    ({"max_num_batched_tokens": -8}, "test.max_num_batched_tokens must be >= 0, got -8"),
     ({"kv_cache_gib": 0}, "test.kv_cache_gib must be >= 1, got 0"),
     ({"startup_timeout_s": 0}, "test.startup_timeout_s must be > 0, got 0"),
     ({"threads": 1.5}, "test.threads must be a whole number (default 0), got 1.5"),

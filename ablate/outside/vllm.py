@@ -70,6 +70,8 @@ class VLLMConfig(OutsideEngineConfig):
     name: str = "vllm"
     prefix_caching: bool = option(False, "vLLM's automatic prefix caching")
     chunked_prefill: bool = option(True, "vLLM's chunked prefill")
+    max_num_batched_tokens: int = option(0, "tokens per step (--max-num-batched-tokens); 0: vLLM's default "
+                                            "(2048 for a CPU server)")
     ngram_k: int = option(0, "n-gram speculation (prompt lookup): draft tokens per step; 0: off")
     enforce_eager: bool = option(False, "no compilation (on a GPU: no CUDA graphs)")
     threads: int = option(0, "CPU threads it binds; 0: torch's, as ablate's arms use")
@@ -78,7 +80,7 @@ class VLLMConfig(OutsideEngineConfig):
     timeout_s: float = option(600.0, "seconds a request may take")
 
     def __post_init__(self) -> None:
-        for name, least in (("ngram_k", 0), ("threads", 0), ("kv_cache_gib", 1)):
+        for name, least in (("ngram_k", 0), ("max_num_batched_tokens", 0), ("threads", 0), ("kv_cache_gib", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         for name in ("startup_timeout_s", "timeout_s"):
@@ -131,6 +133,8 @@ class VLLMServer(OpenAICompatible):
                    "--max-num-seqs", str(max_batch),
                    "--enable-prefix-caching" if o.prefix_caching else "--no-enable-prefix-caching",
                    "--enable-chunked-prefill" if o.chunked_prefill else "--no-enable-chunked-prefill"]
+        if o.max_num_batched_tokens:
+            command += ["--max-num-batched-tokens", str(o.max_num_batched_tokens)]
         if o.ngram_k:
             command += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": o.ngram_k,
                                                             "prompt_lookup_max": 3, "prompt_lookup_min": 1})]
@@ -164,6 +168,7 @@ class VLLMServer(OpenAICompatible):
         return {"precision": self.model.config.dtype, "weights": "the experiment's, as a checkpoint directory",
                 "batching": "continuous (vLLM's scheduler)", "threads": str(self.threads),
                 "techniques": f"prefix_caching={o.prefix_caching} chunked_prefill={o.chunked_prefill} "
+                              f"max_num_batched_tokens={o.max_num_batched_tokens or 'default'} "
                               f"ngram_k={o.ngram_k} enforce_eager={o.enforce_eager}"}
 
     def close(self) -> None:

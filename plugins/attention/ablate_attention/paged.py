@@ -34,6 +34,7 @@ from ablate.api import (Attention, BuildContext, KVView, LayerAttention, PagedKV
                         unpad_queries)
 from ablate_attention import decode_timing
 from ablate_attention.flash import unsupported_shape
+from ablate_attention.sdpa import plain_causal
 
 BACKENDS = ("auto", "triton", "native", "torch")
 _warned: set[str] = set()   # fallback reasons already warned about: once per process, not once per arm
@@ -55,9 +56,14 @@ class PagedAttentionConfig(PluginConfig):
 def gathered_attention(q: torch.Tensor, view: KVView, step: StepInputs,
                        layer: LayerAttention | None = None) -> torch.Tensor:
     """The PyTorch path: gather K/V through the block tables, then masked SDPA (with the layer's
-    window; an explicit softmax for soft-capped scores). q (T, H, D) -> (T, H, D)."""
+    window; an explicit softmax for soft-capped scores), or is_causal where every sequence is a whole
+    prompt of one length (SDPA then skips the blocks above the diagonal). q (T, H, D) -> (T, H, D)."""
     k, v = view.padded(step)                                   # (B, S, H_kv, D): k_cache[block_tables] flattened
     qp = pad_queries(q, step).transpose(1, 2)                  # (B, H, Lq, D)
+    if layer is None and not step.graphed and step.memo("sdpa_is_causal", lambda: plain_causal(step)):
+        out = F.scaled_dot_product_attention(qp, k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                             enable_gqa=True)
+        return unpad_queries(out.transpose(1, 2), step)        # (T, H, D)
     window = layer.window if layer is not None else None
     # (B, 1, Lq, S): key j <= query position, j < context; by position in a windowed layer's ring (PaddedKV.ring)
     mask = causal_mask(step, k.shape[1], window, view.ring)[:, None]

@@ -31,7 +31,7 @@ def sdpa_backend(q, k, v, mask, is_causal: bool) -> str:
         return "unknown"
 
 
-def _plain_causal(step: StepInputs) -> bool:
+def plain_causal(step: StepInputs) -> bool:
     """Every sequence is a whole prompt of the same length with no history: is_causal says it all."""
     no_history = all(ql == cl for ql, cl in zip(step.query_lens, step.kv_lens))
     return no_history and len(set(step.query_lens)) == 1
@@ -74,7 +74,7 @@ class SDPAAttention(Attention):
                 out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, enable_gqa=True)
             return unpad_queries(out.transpose(1, 2), step)          # (T, H, D)
         # a captured step reads every row's capacity (view.padded), masked by its kv_lens_t
-        is_causal = not step.graphed and step.memo("sdpa_is_causal", lambda: _plain_causal(step))
+        is_causal = not step.graphed and step.memo("sdpa_is_causal", lambda: plain_causal(step))
         unmasked = is_causal or not step.graphed and step.memo("sdpa_unmasked", lambda: _unmasked(step))
         mask = None if unmasked else causal_mask(step, k.shape[2])[:, None]   # (B, 1, Lq, S)
         kind = ("decode-graphed" if step.graphed else "decode" if step.is_decode

@@ -59,6 +59,37 @@ def decode_step(context_lens: list[int], block_size: int, num_heads: int, num_kv
     return q, PagedKV(k_cache, v_cache, block_tables), step
 
 
+def reference_attention(q: torch.Tensor, view: PagedKV, step: StepInputs) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) + causal mask) v for each sequence, its keys read one at a time through
+    its block table (query i of n sees keys 0 .. L - n + i). q (T, H, D) -> (T, H, D)."""
+    outs, bs = [], view.block_size
+    for b in range(step.num_seqs):
+        length, n = step.kv_lens[b], step.query_lens[b]
+        slots = [(int(view.block_tables[b, p // bs]), p % bs) for p in range(length)]
+        k = torch.stack([view.k_cache[blk, row] for blk, row in slots])                  # (L, H_kv, D)
+        v = torch.stack([view.v_cache[blk, row] for blk, row in slots])
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)              # (L, H, D)
+        qb = q[step.query_starts[b]:step.query_starts[b + 1]]                           # (n, H, D)
+        scores = torch.einsum("nhd,lhd->hnl", qb, k) / q.shape[-1] ** 0.5               # (H, n, L)
+        seen = torch.arange(length - n, length)[:, None] >= torch.arange(length)[None, :]   # (n, L)
+        outs.append(torch.einsum("hnl,lhd->nhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), v))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("context_lens, query_lens", [
+    ([12, 12, 12], [12, 12, 12]),          # whole prompts of one length: SDPA's is_causal
+    ([12, 7, 12], [12, 7, 12]),            # whole prompts of two lengths: the mask
+    ([20, 9], [6, 9]),                     # a chunk after a prefix beside a whole prompt
+    ([9, 16, 5, 23], [1, 16, 1, 7]),       # mixed
+    ([9, 30], [1, 1]),                     # decode
+])
+def test_the_block_table_gather_equals_attention_computed_key_by_key(context_lens, query_lens):
+    q, view, step = decode_step(context_lens, 4, 6, 2, 16, seed=3, query_lens=query_lens)
+    torch.testing.assert_close(paged_attention.gathered_attention(q, view, step), reference_attention(q, view, step),
+                               atol=1e-5, rtol=1e-5)
+
+
 @needs_triton
 @pytest.mark.parametrize("context_lens, block_size, heads", [
     ([1, 7, 16, 23], 4, (4, 2)),      # grouped-query: 2 query heads per KV head; partial and full last blocks

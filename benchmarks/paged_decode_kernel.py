@@ -1,6 +1,7 @@
 """The CPU's paged decode attention kernel on its own: time per call and the K/V bytes it reads a second.
 
     .venv/bin/python benchmarks/paged_decode_kernel.py [--batch 1 64] [--context 200] [--rounds 15]
+                                                       [--against REV]
 
 One decode step of one layer of SmolLM2-135M's attention (9 query heads over 3 KV heads, head dim
 64, fp32, blocks of 16 tokens handed out in a shuffled order), over the KV pool a batch of sequences
@@ -10,6 +11,8 @@ paged_attention.c, reading each block where it lies) and the PyTorch path attent
 to (the blocks gathered through the tables, then SDPA); the geometric mean time of a call and its 95%
 interval over rounds, and the K and V bytes the step reads over that time. The pool is larger than the
 machine's caches so that every call reads its blocks from memory, as a layer's do in a step.
+--against REV adds the kernel as it was at git revision REV (its paged_attention.c and vectors.h,
+compiled with the same flags into a library of its own) to the same rounds, checked against the gather.
 """
 from __future__ import annotations
 
@@ -18,7 +21,12 @@ from ablate import process_env
 process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
 
 import argparse
+import ctypes
+import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +34,7 @@ import torch.nn.functional as F
 from ablate.analysis.stats import log_interval
 from ablate.measure import cpu_load
 from ablate.model import native
+from ablate.model.native import build
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 POOL_BYTES = 1 << 30       # each call reads a different slice of a pool this large: from memory, not the caches
@@ -52,14 +61,42 @@ def gathered(q, k, v, tables, lens):
     return out[:, :, 0]                                              # (B, H, D)
 
 
+def kernel_at(revision: str, workdir: Path):
+    """The paged-decode kernel as it was at `revision`, compiled here with the library's flags, called as
+    native.paged_decode_attention calls today's: (q, k, v, tables, lens, threads) -> (B, H, D)."""
+    root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                               check=True).stdout.strip())
+    for source in ("paged_attention.c", "vectors.h"):
+        path = (build.HERE / source).relative_to(root)
+        text = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True, cwd=root)
+        if text.returncode != 0:
+            raise SystemExit(f"--against {revision}: git cannot show {path} there: {text.stderr.strip()}")
+        (workdir / source).write_text(text.stdout)
+    library = workdir / "paged_attention.so"
+    subprocess.run([os.environ.get("CC", "cc"), *build.FLAGS, str(workdir / "paged_attention.c"), "-o", str(library), "-lm"],
+                   check=True)
+    function = ctypes.CDLL(str(library)).paged_decode_attention
+    function.argtypes, function.restype = build.SIGNATURES["paged_decode_attention"]
+
+    def run(q, k, v, tables, lens, threads):
+        out = torch.empty_like(q)
+        function(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                 q.shape[0], HEADS, KV_HEADS, HEAD_DIM, BLOCK, tables.shape[1], HEAD_DIM ** -0.5, threads)
+        return out
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--against", metavar="REV", help="also time the kernel as it was at this git revision")
     args = parser.parse_args()
     if native.library() is None:
         raise SystemExit(f"no native kernels here: {native.unavailable_reason()}")
+    workdir = tempfile.TemporaryDirectory()
+    earlier = kernel_at(args.against, Path(workdir.name)) if args.against else None
     threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(0)
     print(f"{threads} threads; {HEADS} heads over {KV_HEADS} KV heads, D={HEAD_DIM}, blocks of {BLOCK}, "
@@ -72,8 +109,12 @@ def main() -> None:
         steps, k, v = case(batch, args.context, copies, gen)
         ways = {"native": lambda q, t, n: native.paged_decode_attention(q, k, v, t, n, threads),
                 "gather + SDPA": lambda q, t, n: gathered(q, k, v, t, n)}
+        if earlier is not None:
+            ways[f"native at {args.against}"] = lambda q, t, n: earlier(q, k, v, t, n, threads)
         q, t, n = steps[0]
-        torch.testing.assert_close(ways["native"](q, t, n), ways["gather + SDPA"](q, t, n), atol=1e-4, rtol=1e-4)
+        for name, way in ways.items():
+            torch.testing.assert_close(way(q, t, n), ways["gather + SDPA"](q, t, n), atol=1e-4, rtol=1e-4,
+                                       msg=lambda why, name=name: f"{name} against the gather: {why}")
         times: dict[str, list[float]] = {name: [] for name in ways}
         cpus = cpu_load.usable_cpus()
         before = cpu_load.read(cpus)

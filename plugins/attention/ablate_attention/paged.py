@@ -206,13 +206,14 @@ class PagedAttention(Attention):
         if layer is not None:    # the decode kernels have no window or soft-cap: the gather's mask does it
             self.backends.setdefault(f"{kind}:{'+'.join(sorted(layer.features))}", "torch")
             return gathered_attention(q, view, step, layer)
-        if not step.is_decode and self.decode_kernel != "torch" and isinstance(view, PagedKV):
+        # K/V the model built from the cached rows itself (MLA's explicit path up-projects its latents
+        # into a PaddedKV) have no block tables to walk: the generic gather reads any view
+        kernel_reads_view = self.decode_kernel != "torch" and isinstance(view, PagedKV)
+        if kernel_reads_view and not step.is_decode:
             parts = step.memo("paged/one_query_and_rest", lambda: one_query_and_rest(step))
             if parts is not None:
                 return self._mixed(q, view, parts)
-        # K/V the model built from the cached rows itself (MLA's explicit path up-projects its latents
-        # into a PaddedKV) have no block tables to walk: the generic gather reads any view
-        if not (step.is_decode and self.decode_kernel != "torch" and isinstance(view, PagedKV)):
+        if not (step.is_decode and kernel_reads_view):
             self.backends.setdefault(kind, "torch")
             return gathered_attention(q, view, step)
         why = self._step_problem(q, view)

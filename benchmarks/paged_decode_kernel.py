@@ -21,9 +21,6 @@ from ablate import process_env
 process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
 
 import argparse
-import ctypes
-import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +31,7 @@ import torch.nn.functional as F
 from ablate.analysis.stats import log_interval
 from ablate.measure import cpu_load
 from ablate.model import native
-from ablate.model.native import build
+from native_at_revision import function_at
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 POOL_BYTES = 1 << 30       # each call reads a different slice of a pool this large: from memory, not the caches
@@ -64,19 +61,7 @@ def gathered(q, k, v, tables, lens):
 def kernel_at(revision: str, workdir: Path):
     """The paged-decode kernel as it was at `revision`, compiled here with the library's flags, called as
     native.paged_decode_attention calls today's: (q, k, v, tables, lens, threads) -> (B, H, D)."""
-    root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                               check=True).stdout.strip())
-    for source in ("paged_attention.c", "vectors.h"):
-        path = (build.HERE / source).relative_to(root)
-        text = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True, cwd=root)
-        if text.returncode != 0:
-            raise SystemExit(f"--against {revision}: git cannot show {path} there: {text.stderr.strip()}")
-        (workdir / source).write_text(text.stdout)
-    library = workdir / "paged_attention.so"
-    subprocess.run([os.environ.get("CC", "cc"), *build.FLAGS, str(workdir / "paged_attention.c"), "-o", str(library), "-lm"],
-                   check=True)
-    function = ctypes.CDLL(str(library)).paged_decode_attention
-    function.argtypes, function.restype = build.SIGNATURES["paged_decode_attention"]
+    function = function_at(revision, "paged_attention.c", "paged_decode_attention", workdir)
 
     def run(q, k, v, tables, lens, threads):
         out = torch.empty_like(q)

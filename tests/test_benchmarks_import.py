@@ -11,10 +11,11 @@ import pytest
 BENCHMARKS = sorted((Path(__file__).resolve().parent.parent / "benchmarks").glob("*.py"))
 
 CHECK = """
-import runpy, sys
+import os, runpy, sys
 failures = []
 for path in sys.argv[1:]:
     sys.argv = [path, "--help"]
+    sys.path.insert(0, os.path.dirname(path))     # as `python path` does: its folder's modules import
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as exit:

@@ -3,6 +3,7 @@ one-token steps' kernels and the paged decode attention), sharing torch's thread
 other product paths, and absent without a compiler."""
 import contextlib
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -156,7 +157,7 @@ def test_one_openmp_runtime_in_the_process():
 @needs_native
 def test_the_build_is_cached_by_source_compiler_and_cpu(unbuilt, monkeypatch):
     assert native.state() == "not asked for" and not list(unbuilt.glob("native-*.so"))   # recording builds nothing
-    assert native.available() and native.state() == "built"
+    assert native.available() and native.state().startswith("built, ")
     [built] = unbuilt.glob("native-*.so")
     mtime = built.stat().st_mtime_ns
     native.LIBRARY.forget()
@@ -191,7 +192,7 @@ def damage(path: Path, how: str) -> None:
     pytest.param(how, marks=[] if how == "garbage" else pytest.mark.slow) for how in DAMAGES])
 def test_a_damaged_cached_library_is_rebuilt_before_it_is_loaded(how, unbuilt):
     damage(cached_library(), how)
-    assert native.available() and native.state() == "built"
+    assert native.available() and native.state().startswith("built, ")
     [rebuilt] = unbuilt.glob("native-*.so")                # in its place (or beside it, the damaged one gone)
     assert native_build._damage(rebuilt) is None
     x, w = torch.randn(3, 40), torch.randn(40)
@@ -454,3 +455,43 @@ def test_a_layer_lays_its_weight_out_for_the_kernel_when_it_is_not():
     x = torch.randn(1, 40)
     torch.testing.assert_close(layer._native(x, 1), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
     assert layer.weight.is_contiguous()
+
+
+def _x86_levels() -> list[tuple[str, int]]:
+    """(-march level, floats per vector it compiles vectors.h's vec to) for each x86-64 level this CPU runs:
+    SSE2 (4), AVX2 (8), AVX-512 (16); none off x86-64."""
+    if platform.machine() != "x86_64" or not Path("/proc/cpuinfo").exists():
+        return []
+    flags = set(next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
+                     "").split())
+    levels = [("x86-64", 4)]
+    if {"avx2", "fma", "bmi2", "f16c", "movbe"} <= flags:
+        levels.append(("x86-64-v3", 8))
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= flags:
+            levels.append(("x86-64-v4", 16))
+    return levels
+
+
+@needs_native
+@pytest.mark.parametrize("march, floats", _x86_levels())
+def test_every_vector_width_computes_torchs_results(march, floats, unbuilt, monkeypatch):
+    """The kernels compile vectors.h's vec to the machine's vector width (4, 8 or 16 floats): each width
+    this CPU runs, built here, computes what torch computes, through the vector bodies, their tails and
+    the horizontal sums (the checks of the tests above, on a library built for that width)."""
+    monkeypatch.setattr(native_build, "FLAGS",
+                        tuple(f"-march={march}" if flag == "-march=native" else flag for flag in native_build.FLAGS))
+    assert native.available(), native.unavailable_reason()
+    assert native.state() == f"built, {floats}-float vectors"
+    for d_out, d_in in [(80, 48), (7, 5), (33, 100), (960, 576)]:
+        for rows in (1, 3, 16):
+            test_matvec_computes_f_linear(d_out, d_in, rows, bias=True, threads=2)
+        test_matvec_on_bf16_weights_computes_torchs_bf16_product(d_out, d_in, 3, bias=True)
+    for shape in [(3, 576), (16, 100), (1, 1, 7)]:
+        test_rms_norm_computes_torchs(shape)
+        test_bf16_rms_norm_computes_the_models_bf16_norm(shape)
+    test_rope_computes_rotate_half(5, 3, 8)
+    test_silu_mul_computes_swiglus_activation(3, 40)
+    for lens, block_size, heads, head_dim in [([1, 7, 16, 23], 4, (4, 2), 16), ([9], 1, (4, 1), 24),
+                                              ([130, 3, 64], 16, (9, 3), 64),
+                                              ([40, 1, 17, 33, 2, 64, 5, 16, 70], 32, (20, 2), 32)]:
+        test_paged_decode_attention_computes_attention_over_the_blocks(lens, block_size, heads, head_dim, threads=2)

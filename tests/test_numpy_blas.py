@@ -79,7 +79,7 @@ def test_numpy_wins_every_one_row_product_when_its_total_is_faster(clock):
                                            "80x48 float32 weights": "input-major",
                                            "48x80 float32 weights": "input-major",
                                            f"one-row steps float32 {threads} threads": "numpy",
-                                           "native kernels": native.unavailable_reason() or "built",
+                                           "native kernels": native.state(),
                                            "cpu_products": "auto"}
         assert all(linear.layout_of(m.weight) == "input-major" for m in layers)
         products.clear()

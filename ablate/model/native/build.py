@@ -43,6 +43,7 @@ SIGNATURES = {
     "rope": ([_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int], None),
     "silu_mul": ([_p, _p, _i64, _i64, ctypes.c_int], None),
     "paged_decode_attention": ([_p] * 6 + [_i64] * 6 + [ctypes.c_float, ctypes.c_int], None),
+    "vector_floats": ([], ctypes.c_int),
 }
 
 
@@ -154,9 +155,11 @@ class NativeLibrary:
         return self.lib
 
     def state(self) -> str:
-        """For the results, without building anything: "built", why the kernels are unavailable, or
-        "not asked for" (nothing has needed them in this process)."""
-        return "built" if self.lib is not None else self.reason or "not asked for"
+        """For the results, without building anything: "built, 8-float vectors" (the width it was compiled
+        to), why the kernels are unavailable, or "not asked for" (nothing has needed them in this process)."""
+        if self.lib is not None:
+            return f"built, {self.lib.vector_floats()}-float vectors"
+        return self.reason or "not asked for"
 
     def forget(self) -> None:
         """As in a fresh process: the next use loads the library again (building it if need be)."""
@@ -205,5 +208,6 @@ def unavailable_reason() -> str | None:
 
 
 def state() -> str:
-    """LIBRARY.state(): "built", why the kernels are unavailable, or "not asked for"; builds nothing."""
+    """LIBRARY.state(): "built, N-float vectors", why the kernels are unavailable, or "not asked for";
+    builds nothing."""
     return LIBRARY.state()

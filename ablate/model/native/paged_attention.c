@@ -7,23 +7,6 @@
 
 #include "vectors.h"
 
-typedef float vec8 __attribute__((vector_size(32), aligned(4)));
-typedef float vec4 __attribute__((vector_size(16), aligned(4)));
-
-/* v[0] + ... + v[15] as a tree (8 + 8, then 4 + 4, ...): four dependent additions, where summing in
- * order chains sixteen, and a score is one such sum */
-static inline float hsum16(vec16 v) {
-    vec8 lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
-    vec8 s8 = lo + hi;
-    vec4 a, b;
-    memcpy(&a, &s8, sizeof a);
-    memcpy(&b, (const char *)&s8 + sizeof a, sizeof b);
-    vec4 s4 = a + b;
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
 /* The query heads one pass over a block serves together: they share the KV head whose keys and values
  * it reads once (grouped-query attention). A larger group is served in slices of this many. */
 enum { SLICE = 8, MAX_BLOCK = 256 };
@@ -38,18 +21,18 @@ enum { SLICE = 8, MAX_BLOCK = 256 };
 static inline __attribute__((always_inline)) void
 attend_block_of(const float *q, const float *kb, const float *vb, long n, long key_stride, long dim, const long g,
                 float scale, float *m, float *l, float *acc) {
-    long body = dim / 16 * 16;
-    float s[SLICE][MAX_BLOCK + 16];                       /* scores, then weights; whole vectors read */
+    long body = dim / VEC * VEC;
+    float s[SLICE][MAX_BLOCK + VEC];                      /* scores, then weights; whole vectors read */
     for (long j = 0; j < n; j++) {                        /* s[i][j] = scale q_i . k_j */
         const float *kj = kb + j * key_stride;
-        vec16 part[SLICE];
-        for (long i = 0; i < g; i++) part[i] = (vec16){0};
-        for (long c = 0; c < body; c += 16) {
-            vec16 kv = load16(kj + c);
-            for (long i = 0; i < g; i++) part[i] += load16(q + i * dim + c) * kv;
+        vec part[SLICE];
+        for (long i = 0; i < g; i++) part[i] = (vec){0};
+        for (long c = 0; c < body; c += VEC) {
+            vec kv = load(kj + c);
+            for (long i = 0; i < g; i++) part[i] += load(q + i * dim + c) * kv;
         }
         for (long i = 0; i < g; i++) {
-            float t = hsum16(part[i]);
+            float t = hsum(part[i]);
             for (long c = body; c < dim; c++) t += q[i * dim + c] * kj[c];
             s[i][j] = scale * t;
         }
@@ -57,26 +40,26 @@ attend_block_of(const float *q, const float *kb, const float *vb, long n, long k
     for (long i = 0; i < g; i++) {                        /* s -> exp(s - m'), l and the output rescaled */
         float top = m[i], sum = 0.0f;
         for (long j = 0; j < n; j++) top = s[i][j] > top ? s[i][j] : top;
-        for (long j = n; j < (n + 15) / 16 * 16; j++) s[i][j] = -INFINITY;    /* lanes past the keys: weight 0 */
-        for (long j = 0; j < n; j += 16) {
-            vec16 e = exp16(load16(s[i] + j) - top);
-            store16(s[i] + j, e);
-            sum += hsum16(e);
+        for (long j = n; j < (n + VEC - 1) / VEC * VEC; j++) s[i][j] = -INFINITY;   /* lanes past the keys: weight 0 */
+        for (long j = 0; j < n; j += VEC) {
+            vec e = expv(load(s[i] + j) - top);
+            store(s[i] + j, e);
+            sum += hsum(e);
         }
-        /* 0 on the first block (m = -inf), and where it would only make subnormals (exp16) */
+        /* 0 on the first block (m = -inf), and where it would only make subnormals (expv) */
         float rescale = m[i] - top < -60.0f ? 0.0f : expf(m[i] - top);
         l[i] = l[i] * rescale + sum;
         for (long c = 0; c < dim; c++) acc[i * dim + c] *= rescale;
         m[i] = top;
     }
-    for (long c = 0; c < body; c += 16) {                 /* acc_i += sum_j w_ij v_j, 16 columns at a time */
-        vec16 a[SLICE];
-        for (long i = 0; i < g; i++) a[i] = load16(acc + i * dim + c);
+    for (long c = 0; c < body; c += VEC) {                /* acc_i += sum_j w_ij v_j, VEC columns at a time */
+        vec a[SLICE];
+        for (long i = 0; i < g; i++) a[i] = load(acc + i * dim + c);
         for (long j = 0; j < n; j++) {
-            vec16 vj = load16(vb + j * key_stride + c);
+            vec vj = load(vb + j * key_stride + c);
             for (long i = 0; i < g; i++) a[i] += s[i][j] * vj;
         }
-        for (long i = 0; i < g; i++) store16(acc + i * dim + c, a[i]);
+        for (long i = 0; i < g; i++) store(acc + i * dim + c, a[i]);
     }
     for (long c = body; c < dim; c++)
         for (long i = 0; i < g; i++)
@@ -131,7 +114,7 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
             if (start + block_size < ctx) {                /* the next block's rows of these KV heads */
                 long next = table[start / block_size + 1] * block_floats + first_kv * dim;
                 for (long j = 0; j < block_size; j++)
-                    for (long i = 0; i < kv_per_task * dim; i += 16) {
+                    for (long i = 0; i < kv_per_task * dim; i += 16) {      /* a 64-byte line */
                         __builtin_prefetch(k_cache + next + j * key_stride + i, 0, 3);
                         __builtin_prefetch(v_cache + next + j * key_stride + i, 0, 3);
                     }

@@ -22,27 +22,32 @@
  * the Xeon of docs/cpu-products.md the row-major kernel was as fast, and it saves the copy.) */
 enum { ROWS = 8 };
 
+/* The floats in each vector the kernels were compiled to (vectors.h: 16 on AVX-512, 8 on AVX2): the
+ * library's state in a run's results says it */
+int vector_floats(void) { return VEC; }
+
 void matvec(const float *w, const float *x, const float *b, float *y, long m, long d_out, long d_in, int threads) {
-    long blocks = (d_out + ROWS - 1) / ROWS, body = d_in / 16 * 16;
+    long blocks = (d_out + ROWS - 1) / ROWS, body = d_in / VEC * VEC;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long blk = 0; blk < blocks; blk++) {
         long first = blk * ROWS, rows = d_out - first < ROWS ? d_out - first : ROWS;
         const float *wb = w + first * d_in;
         for (long t = 0; t < m; t++) {
             const float *xt = x + t * d_in;
-            vec16 acc[ROWS];
-            for (int r = 0; r < ROWS; r++) acc[r] = (vec16){0};
+            vec acc[ROWS];
+            for (int r = 0; r < ROWS; r++) acc[r] = (vec){0};
             if (rows == ROWS) {
-                for (long c = 0; c < body; c += 16) {
-                    vec16 xv = load16(xt + c);
-                    for (int r = 0; r < ROWS; r++) acc[r] += load16(wb + r * d_in + c) * xv;
+                for (long c = 0; c < body; c += VEC) {
+                    vec xv = load(xt + c);
+#pragma GCC unroll 8                /* the ROWS sums in registers, not an array in memory */
+                    for (int r = 0; r < ROWS; r++) acc[r] += load(wb + r * d_in + c) * xv;
                 }
             } else {
                 for (int r = 0; r < rows; r++)
-                    for (long c = 0; c < body; c += 16) acc[r] += load16(wb + r * d_in + c) * load16(xt + c);
+                    for (long c = 0; c < body; c += VEC) acc[r] += load(wb + r * d_in + c) * load(xt + c);
             }
             for (int r = 0; r < rows; r++) {
-                float s = sum16(acc[r]);
+                float s = hsum(acc[r]);
                 for (long c = body; c < d_in; c++) s += wb[r * d_in + c] * xt[c];
                 y[t * d_out + first + r] = s + (b ? b[first + r] : 0.0f);
             }
@@ -54,23 +59,23 @@ void matvec(const float *w, const float *x, const float *b, float *y, long m, lo
  * whole point at a few rows), the sums run in fp32 and Y is rounded to bf16 once, as PyTorch's bf16
  * products do.
  *
- * Widening pairs: 32 bf16 of W are 16 32-bit words, each holding an even-indexed bf16 in its low half and
- * the next one in its high half; their fp32 values are the words shifted left 16 and the words with their
- * low halves cleared (load32_bf16). So X is split once per call the same way, each 32 columns into their
- * 16 even and 16 odd ones, and a block's rows take two multiply-adds per 32 columns of W.
+ * Widening pairs: 2 VEC bf16 of W are VEC 32-bit words, each holding an even-indexed bf16 in its low half
+ * and the next one in its high half; their fp32 values are the words shifted left 16 and the words with
+ * their low halves cleared (load_bf16_pairs). So X is split once per call the same way, each 2 VEC columns
+ * into their VEC even and VEC odd ones, and a block's rows take two multiply-adds per 2 VEC columns of W.
  * `scratch` (m x d_in + d_out + m x d_out floats, the caller's) holds X split, b widened, and Y before
  * rounding. */
 void matvec_bf16(const bf16 *w, const bf16 *x16, const bf16 *b16, bf16 *y16, float *scratch, long m, long d_out,
                  long d_in, int threads) {
     float *x = scratch, *b = b16 ? scratch + m * d_in : NULL, *y = scratch + m * d_in + d_out;
-    long blocks = (d_out + ROWS - 1) / ROWS, body = d_in / 32 * 32;
+    long blocks = (d_out + ROWS - 1) / ROWS, body = d_in / (2 * VEC) * (2 * VEC);
     for (long t = 0; t < m; t++) {
         const bf16 *xt = x16 + t * d_in;
         float *split = x + t * d_in;
-        for (long c = 0; c < body; c += 32)
-            for (int j = 0; j < 16; j++) {
+        for (long c = 0; c < body; c += 2 * VEC)
+            for (int j = 0; j < VEC; j++) {
                 split[c + j] = bf16_to_float(xt[c + 2 * j]);
-                split[c + 16 + j] = bf16_to_float(xt[c + 2 * j + 1]);
+                split[c + VEC + j] = bf16_to_float(xt[c + 2 * j + 1]);
             }
         for (long c = body; c < d_in; c++) split[c] = bf16_to_float(xt[c]);
     }
@@ -81,17 +86,17 @@ void matvec_bf16(const bf16 *w, const bf16 *x16, const bf16 *b16, bf16 *y16, flo
         const bf16 *wb = w + first * d_in;
         for (long t = 0; t < m; t++) {
             const float *xt = x + t * d_in;
-            vec16 acc[ROWS], even, odd;
-            for (int r = 0; r < ROWS; r++) acc[r] = (vec16){0};
-            for (long c = 0; c < body; c += 32) {
-                vec16 xe = load16(xt + c), xo = load16(xt + c + 16);
+            vec acc[ROWS], even, odd;
+            for (int r = 0; r < ROWS; r++) acc[r] = (vec){0};
+            for (long c = 0; c < body; c += 2 * VEC) {
+                vec xe = load(xt + c), xo = load(xt + c + VEC);
                 for (int r = 0; r < rows; r++) {
-                    load32_bf16(wb + r * d_in + c, &even, &odd);
+                    load_bf16_pairs(wb + r * d_in + c, &even, &odd);
                     acc[r] += even * xe + odd * xo;
                 }
             }
             for (int r = 0; r < rows; r++) {
-                float s = sum16(acc[r]);
+                float s = hsum(acc[r]);
                 for (long c = body; c < d_in; c++) s += bf16_to_float(wb[r * d_in + c]) * xt[c];
                 y[t * d_out + first + r] = s + (b ? b[first + r] : 0.0f);
             }
@@ -151,21 +156,21 @@ void rope(const float *x, const float *cosines, const float *sines, float *y, lo
 }
 
 /* SwiGLU's activation: y (rows, F) = silu(gate) * up for gate_up (rows, 2F) = [gate | up], silu(g) =
- * g sigmoid(g), 16 columns at a time. exp16 takes x <= 0, so with e = e^-|g|: sigmoid(g) = 1 / (1 + e)
+ * g sigmoid(g), VEC columns at a time. expv takes x <= 0, so with e = e^-|g|: sigmoid(g) = 1 / (1 + e)
  * for g >= 0 and e / (1 + e) for g < 0 (the same value, without e^-g overflowing for large -g). */
 void silu_mul(const float *gate_up, float *y, long rows, long f, int threads) {
-    const vec16 one = (vec16){0} + 1.0f;
+    const vec one = (vec){0} + 1.0f;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * f >= PARALLEL_FLOATS)
     for (long t = 0; t < rows; t++) {
         const float *g = gate_up + t * 2 * f, *u = g + f;
         float *yt = y + t * f;
         long i = 0;
-        for (; i + 16 <= f; i += 16) {
-            vec16 gv = load16(g + i);
-            ivec16 neg = gv < 0.0f;
-            vec16 e = exp16((vec16)(((ivec16)gv & neg) | ((ivec16)(-gv) & ~neg)));     /* e^-|g| */
-            vec16 sigmoid = (vec16)(((ivec16)e & neg) | ((ivec16)one & ~neg)) / (one + e);
-            store16(yt + i, gv * sigmoid * load16(u + i));
+        for (; i + VEC <= f; i += VEC) {
+            vec gv = load(g + i);
+            ivec neg = gv < 0.0f;
+            vec e = expv((vec)(((ivec)gv & neg) | ((ivec)(-gv) & ~neg)));     /* e^-|g| */
+            vec sigmoid = (vec)(((ivec)e & neg) | ((ivec)one & ~neg)) / (one + e);
+            store(yt + i, gv * sigmoid * load(u + i));
         }
         for (; i < f; i++) yt[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }

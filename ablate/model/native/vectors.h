@@ -1,41 +1,56 @@
 /* The vector helpers ablate's native kernels share (steps.c, paged_attention.c).
  *
- * GCC's generic vectors (vec16: 16 floats) become AVX-512, AVX2 or NEON instructions, whichever the
- * machine has (the library is built with -march=native: ablate/model/native/build.py).
+ * A vec is one of the machine's vector registers of floats, GCC's generic vectors: 16 floats on AVX-512,
+ * 8 on AVX2, 4 on SSE and NEON (the library is built with -march=native: ablate/model/native/build.py).
+ * The kernels step through their rows VEC floats at a time. A generic vector wider than the machine's
+ * registers is no faster to write and far slower to run: GCC moves its halves through memory and the
+ * integer registers between operations (a 16-float vector on AVX2 made the matrix-vector kernel a
+ * stack-bound loop).
  */
 #ifndef ABLATE_NATIVE_VECTORS_H
 #define ABLATE_NATIVE_VECTORS_H
 
 #include <string.h>
 
-typedef float vec16 __attribute__((vector_size(64), aligned(4)));   /* loads need not be aligned */
+#if defined(__AVX512F__)
+#define VECTOR_BYTES 64
+#elif defined(__AVX__)
+#define VECTOR_BYTES 32
+#else
+#define VECTOR_BYTES 16
+#endif
 
-static inline float sum16(vec16 v) {
-    float s = 0.0f;
-    for (int k = 0; k < 16; k++) s += v[k];
-    return s;
+enum { VEC = VECTOR_BYTES / 4 };        /* floats in a vec */
+
+/* aligned(4): loads need not be aligned; may_alias: a vec may be read from any float's address */
+typedef float vec __attribute__((vector_size(VECTOR_BYTES), aligned(4), may_alias));
+typedef int ivec __attribute__((vector_size(VECTOR_BYTES)));
+typedef unsigned int uvec __attribute__((vector_size(VECTOR_BYTES), aligned(4), may_alias));
+
+/* v[0] + ... + v[VEC - 1] as a tree (halves added, then their halves, ...): log2(VEC) dependent
+ * additions, where summing in order chains VEC */
+static inline float hsum(vec v) {
+    float s[VEC];
+    memcpy(s, &v, sizeof s);
+    for (int width = VEC / 2; width > 0; width /= 2)
+        for (int k = 0; k < width; k++) s[k] += s[k + width];
+    return s[0];
 }
 
-static inline vec16 load16(const float *p) {
-    vec16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
+/* through a pointer to vec, as the compiler's own unaligned-load types do (__m256_u): one vector load or
+ * store, where a memcpy into a local vec went through the stack */
+static inline vec load(const float *p) { return *(const vec *)p; }
 
-static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
+static inline void store(float *p, vec v) { *(vec *)p = v; }
 
 /* bf16: the upper 16 bits of an fp32, so widening is a shift; rounding back is to nearest, ties to even */
 typedef unsigned short bf16;
-typedef unsigned int u32x16 __attribute__((vector_size(64), aligned(4)));
 
-/* 32 bf16 at p as fp32: the even-indexed 16 (low halves of the 32-bit words) and the odd-indexed 16 */
-static inline void load32_bf16(const bf16 *p, vec16 *even, vec16 *odd) {
-    u32x16 words, low, high;
-    memcpy(&words, p, sizeof words);
-    low = words << 16;
-    high = words & 0xffff0000u;
-    memcpy(even, &low, sizeof *even);
-    memcpy(odd, &high, sizeof *odd);
+/* 2 VEC bf16 at p as fp32: the even-indexed VEC (low halves of the 32-bit words) and the odd-indexed VEC */
+static inline void load_bf16_pairs(const bf16 *p, vec *even, vec *odd) {
+    uvec words = *(const uvec *)p;
+    *even = (vec)(words << 16);
+    *odd = (vec)(words & 0xffff0000u);
 }
 
 static inline float bf16_to_float(bf16 h) {
@@ -54,31 +69,29 @@ static inline bf16 float_to_bf16(float f) {
 }
 
 /* w[0:n] . x[0:n] */
-static float dot(const float *w, const float *x, long n) {
-    vec16 acc = {0};
+static inline float dot(const float *w, const float *x, long n) {
+    vec acc = {0};
     long i = 0;
-    for (; i + 16 <= n; i += 16) acc += load16(w + i) * load16(x + i);
-    float s = sum16(acc);
+    for (; i + VEC <= n; i += VEC) acc += load(w + i) * load(x + i);
+    float s = hsum(acc);
     for (; i < n; i++) s += w[i] * x[i];
     return s;
 }
 
-typedef int ivec16 __attribute__((vector_size(64)));
-
-/* e^x for x <= 0, 16 at a time: e^x = 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 in
+/* e^x for x <= 0, VEC at a time: e^x = 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 in
  * [-ln2/2, ln2/2], where e^r's Taylor series to r^6 is within 2e-7 of it; 2^n goes into the exponent
  * bits (round(): adding 1.5 * 2^23 leaves n in the low mantissa bits, also as an integer). Below
  * x = -60 the result is 0: e^-60 < 1e-26 is far beneath a softmax's precision, and weights that
  * small would make subnormal products, which cost a hundred cycles each on x86. */
-static inline vec16 exp16(vec16 x) {
-    const vec16 zero = {0}, shift = zero + 12582912.0f;       /* 1.5 * 2^23 */
-    ivec16 tiny = x < -60.0f;
-    x = (vec16)(((ivec16)x & ~tiny) | ((ivec16)(zero - 60.0f) & tiny));
-    vec16 t = x * 1.44269504088896341f + shift;                /* x / ln 2 + shift */
-    vec16 n = t - shift;
-    vec16 r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;    /* ln 2, split for precision */
-    vec16 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-    return (vec16)(((ivec16)p + (((ivec16)t - (ivec16)shift) << 23)) & ~tiny);
+static inline vec expv(vec x) {
+    const vec zero = {0}, shift = zero + 12582912.0f;         /* 1.5 * 2^23 */
+    ivec tiny = x < -60.0f;
+    x = (vec)(((ivec)x & ~tiny) | ((ivec)(zero - 60.0f) & tiny));
+    vec t = x * 1.44269504088896341f + shift;                  /* x / ln 2 + shift */
+    vec n = t - shift;
+    vec r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;    /* ln 2, split for precision */
+    vec p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+    return (vec)(((ivec)p + (((ivec)t - (ivec)shift) << 23)) & ~tiny);
 }
 
 #endif

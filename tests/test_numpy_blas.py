@@ -22,8 +22,9 @@ pytestmark = [       # the tests run torch on one thread (conftest.py): numpy's 
 def clock(monkeypatch):
     """A fake clock: each timing costs what `costs` says for the path and layout it ran (mkl-row-major,
     mkl-input-major, numpy-row-major, numpy-input-major, native: slowest unless a test says
-    otherwise); `products` counts the products run on each."""
-    costs, ran, products = {}, [], {}
+    otherwise; "<that> in a step" where small operations ran between the products, if it says);
+    `products` counts the products run on each."""
+    costs, ran, products, between = {}, [], {}, []
     run = Linear._run
 
     def counted(self, path, x, threads):
@@ -35,11 +36,12 @@ def clock(monkeypatch):
     monkeypatch.setattr(Linear, "_run", counted)
 
     def median(fn, repeats=7):
-        ran.clear()
+        ran.clear(), between.clear()
         fn()
-        return costs.get(ran[0], 10.0)
+        return costs.get(ran[0] + " in a step" if between else ran[0], costs.get(ran[0], 10.0))
 
     monkeypatch.setattr(path_timing, "median_seconds", median)
+    monkeypatch.setattr(path_timing.F, "rms_norm", lambda *args, **kwargs: between.append(args[0].shape))
     monkeypatch.setattr(path_timing.time, "sleep", lambda s: None)
     return costs, products
 
@@ -94,6 +96,23 @@ def test_numpy_wins_every_one_row_product_when_its_total_is_faster(clock):
             assert torch.get_num_threads() == threads
         layers[0](x)                               # a one-row product outside such a step: torch's path
         assert products == {"mkl-input-major": 1}
+
+
+def test_numpy_is_judged_with_a_steps_operations_between_its_products(clock):
+    """Back to back numpy's BLAS is the faster, but with the small operations a step runs between two
+    products (its lent pool waking for each) it is slower: one-row steps stay on torch's paths, each
+    shape on the path and layout torch was fastest on."""
+    costs, _ = clock
+    costs.update({"mkl-row-major": 1.0, "mkl-input-major": 0.5, "numpy-row-major": 0.45, "numpy-input-major": 0.4,
+                  "numpy-row-major in a step": 1.5, "numpy-input-major in a step": 1.4,
+                  "mkl-input-major in a step": 0.6})
+    layers = layers_of_two_shapes()
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        layers[0](torch.randn(1, 48))
+    assert not PRODUCT_PATHS.lends_one_row(torch.float32, threads)
+    assert PRODUCT_PATHS.path_for((80, 48, torch.float32, 0, threads)) == MKL
+    assert all(linear.layout_of(m.weight) == "input-major" for m in layers)
 
 
 def test_torch_keeps_one_row_products_when_numpy_is_slower_in_total(clock):

@@ -31,8 +31,9 @@ forces a path for its row class (then nothing is timed).
 - One-row products are chosen for every live shape at once (choose_one_row): numpy's BLAS runs on a
   thread pool of its own, which cannot share a step with torch's, so either every product of a
   one-row step goes to numpy (the step lends it the cores: ProductPaths.one_row_step), or each takes
-  the fastest of torch's paths. The totals decide; numpy is timed as it would run (torch on one
-  thread), on both layouts.
+  the fastest of torch's paths. The totals decide, timed as a step runs: numpy lent the cores (torch
+  on one thread), on both layouts, and torch's fastest path per shape, each product followed by the
+  small operations a step runs before its next (path_timing.OPS_BETWEEN_PRODUCTS).
 A oneDNN path that loses gives back the copies packed for its timing.
 
 What is recorded: PRODUCT_PATHS.choices() lists every kind's path, every shape's layout, whether

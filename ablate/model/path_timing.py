@@ -10,6 +10,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from ablate.model import native, numpy_blas
 from ablate.model.product_paths import (INPUT_MAJOR, MKL, NATIVE, NUMPY, ONEDNN, PRODUCT_PATHS, ROW_MAJOR,
@@ -20,6 +21,13 @@ from ablate.model.product_paths import (INPUT_MAJOR, MKL, NATIVE, NUMPY, ONEDNN,
 # by reading W, which no unit speeds up, and fp32 has paths as fast that read W in place
 # (docs/cpu-products.md): for those oneDNN runs only when forced.
 ONEDNN_TIMED = (torch.bfloat16,)
+# A decode step runs a few small operations between two products (norms, RoPE, attention, residual adds:
+# SmolLM2's step makes ~270 module calls around its 121 products). Whether a one-row step goes to numpy's
+# BLAS is timed with this many after each product, as in a step: numpy's pool, lent the cores, wakes
+# for each product, which back-to-back products hide (on an AVX2 EPYC numpy ran level with the native
+# kernel back to back and lost by a third in steps: docs/cpu-products.md). Between torch's own paths,
+# which share one pool, the products are timed back to back: the small operations only add noise there.
+OPS_BETWEEN_PRODUCTS = 3
 
 
 def layout_of(w: torch.Tensor) -> str:
@@ -62,16 +70,27 @@ def lay_out_all(layers: list, layout: str) -> None:
         m.lay_out(layout)
 
 
-def time_layouts(layers: list, x: torch.Tensor, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
-    """Seconds for `x` through `layers` on each (layout, path) of `pairs`, the layers laid out in place
-    for each layout in turn (they end on the last)."""
+def product_then(layer, path: str, x: torch.Tensor, threads: int, between: int) -> None:
+    """`x` through `layer` on `path`, then `between` small operations on its output, as a step runs them."""
+    y = layer._run(path, x, threads)
+    for _ in range(between):
+        F.rms_norm(y, y.shape[-1:])
+
+
+def time_layouts(layers: list, x: torch.Tensor, pairs: list[tuple[str, str]],
+                 between: int = 0) -> dict[tuple[str, str], float]:
+    """Seconds for `x` through `layers` on each (layout, path) of `pairs`, each product followed by
+    `between` small operations (then over more repeats: they add the noise of the operations' own
+    times), the layers laid out in place for each layout in turn (they end on the last)."""
     PRODUCT_PATHS.timed()
     threads = torch.get_num_threads()
+    repeats = 15 if between else 7
     seconds = {}
     for layout in dict.fromkeys(layout for layout, _ in pairs):
         lay_out_all(layers, layout)
         for pair in [p for p in pairs if p[0] == layout]:
-            seconds[pair] = median_seconds(lambda: [m._run(pair[1], x, threads) for m in layers])
+            seconds[pair] = median_seconds(lambda: [product_then(m, pair[1], x, threads, between) for m in layers],
+                                           repeats)
     return seconds
 
 
@@ -90,8 +109,9 @@ def settle(layers: list, seconds: dict[tuple[str, str], float]) -> tuple[str, st
 def choose_one_row(dtype: torch.dtype, threads: int) -> None:
     """Every live shape's one-row path, timed together: numpy's BLAS for all of them (a one-row step
     then lends it the cores: ablate/model/numpy_blas.py), or each the fastest of torch's paths. The two
-    cannot mix in one step, so the totals decide; numpy is timed as it would run, with torch on one
-    thread. Each shape's layout is the one its winning path was fastest on."""
+    cannot mix in one step, so the totals decide, each product followed by a step's small operations
+    (OPS_BETWEEN_PRODUCTS); numpy is timed as it would run, with torch on one thread. Each shape's
+    layout is the one its winning path was fastest on."""
     shapes = {}                # one layer per shape: the timing runs through every live layer of it
     for m in PRODUCT_PATHS.layers():
         if m.weight.device.type == "cpu" and m.weight.dtype == dtype:
@@ -103,12 +123,17 @@ def choose_one_row(dtype: torch.dtype, threads: int) -> None:
         timed[layer] = (x, time_layouts(layer._same_shape(), x, pairs))
     on_numpy = False
     if dtype == torch.float32 and numpy_blas.blas_threads(threads):
+        in_step = {layer: time_layouts(layer._same_shape(), x, [min(seconds, key=seconds.get)], OPS_BETWEEN_PRODUCTS)
+                   for layer, (x, seconds) in timed.items()}       # torch's fastest path per shape, as in a step
         time.sleep(0.01)       # torch's idle workers spin a while after their last parallel region
         with numpy_blas.torch_threads(1):
             for layer, (x, seconds) in timed.items():
                 layouts = dict.fromkeys(layout for layout, _ in seconds)
-                seconds |= time_layouts(layer._same_shape(), x, [(layout, NUMPY) for layout in layouts])
-        best = {on: sum(min(s for (_, p), s in seconds.items() if (p == NUMPY) == on) for _, seconds in timed.values())
+                numpy = time_layouts(layer._same_shape(), x, [(layout, NUMPY) for layout in layouts],
+                                     OPS_BETWEEN_PRODUCTS)
+                in_step[layer] |= numpy
+                seconds |= numpy
+        best = {on: sum(min(s for (_, p), s in seconds.items() if (p == NUMPY) == on) for seconds in in_step.values())
                 for on in (True, False)}
         on_numpy = best[True] < best[False]
     PRODUCT_PATHS.keep_one_row(dtype, threads, on_numpy)

@@ -7,8 +7,10 @@ The 121 products of one SmolLM2-135M decode step, fp32 (per layer: qkv 960 x 576
 3072 x 576, down 576 x 1536, over 30 layers of distinct weights, then the 49152 x 576 head: 538 MB
 streamed from memory, as a step streams them), at each --rows count of input rows. Interleaved round by
 round on torch's threads, the paths ablate.model.linear chooses among: the native kernel
-(ablate/model/native/steps.c, on row-major W) and MKL (`F.linear`) on row-major W and on input-major W
-(W^T contiguous, where MKL's matrix-vector product streams fastest); per path the geometric mean time of
+(ablate/model/native/steps.c, on row-major W), MKL (`F.linear`) on row-major W and on input-major W
+(W^T contiguous, where MKL's matrix-vector product streams fastest), and at one row numpy's BLAS on
+either layout (lent the cores as a one-row step lends them: torch on one thread, numpy on torch's
+count, ablate/model/numpy_blas.py; left out where it cannot be lent); per path the geometric mean time of
 the step's products and its 95% interval over rounds, W's bytes over that time, and the time per
 product shape. --against REV adds the native kernel as it was at git revision REV (its steps.c and
 vectors.h, compiled with today's flags) to the same rounds. Every path is checked against MKL first.
@@ -20,6 +22,7 @@ from ablate import process_env
 process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
 
 import argparse
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 
 from ablate.analysis.stats import log_interval
 from ablate.measure import cpu_load
-from ablate.model import native
+from ablate.model import native, numpy_blas
 from native_at_revision import function_at
 
 LAYERS, VOCAB = 30, 49152
@@ -74,6 +77,10 @@ def main() -> None:
             "MKL, input-major W": lambda i, w, x: F.linear(x, transposed[i].t())}
     if earlier is not None:
         ways[f"native at {args.against}"] = lambda i, w, x: earlier(w, x, threads)
+    lent = numpy_blas.blas_threads(threads)
+    arrays = {"row-major": [w.numpy().T for _, w in products], "input-major": [w.numpy() for w in transposed]}
+    one_row_ways = {f"numpy, {layout} W": (lambda i, w, x, a=a: torch.from_numpy(x.numpy() @ a[i]))
+                    for layout, a in arrays.items()} if lent else {}
     print(f"{threads} threads; {len(products)} products, {step_bytes / 1e6:.0f} MB of fp32 W a step")
     print("| rows | path | ms per step [95% CI] | W GB/s | vs MKL row-major | " + " | ".join(
         f"{name} ms" for name in (*LAYER_SHAPES, "head")) + " | CPU left to it |")
@@ -81,23 +88,25 @@ def main() -> None:
     with torch.inference_mode():
         for rows in args.rows:
             inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen) for _, w in products}
-            for name, way in ways.items():
+            ways_here = ways | (one_row_ways if rows == 1 else {})
+            for name, way in ways_here.items():
                 for i in (0, 1, 2, 3, len(products) - 1):
                     w = products[i][1]
                     torch.testing.assert_close(way(i, w, inputs[w.shape[1]]), F.linear(inputs[w.shape[1]], w),
                                                atol=1e-4, rtol=1e-4, msg=lambda why, n=name: f"{n} against MKL: {why}")
-            times = {name: [] for name in ways}
-            per_shape = {name: {shape: 0.0 for shape in (*LAYER_SHAPES, "head")} for name in ways}
+            times = {name: [] for name in ways_here}
+            per_shape = {name: {shape: 0.0 for shape in (*LAYER_SHAPES, "head")} for name in ways_here}
             cpus = cpu_load.usable_cpus()
             before = cpu_load.read(cpus)
             for _ in range(args.rounds):
-                for name, way in ways.items():
-                    step = time.perf_counter()
-                    for i, (shape, w) in enumerate(products):
-                        start = time.perf_counter()
-                        way(i, w, inputs[w.shape[1]])
-                        per_shape[name][shape] += time.perf_counter() - start
-                    times[name].append(time.perf_counter() - step)
+                for name, way in ways_here.items():
+                    with numpy_blas.torch_threads(1) if name in one_row_ways else contextlib.nullcontext():
+                        step = time.perf_counter()
+                        for i, (shape, w) in enumerate(products):
+                            start = time.perf_counter()
+                            way(i, w, inputs[w.shape[1]])
+                            per_shape[name][shape] += time.perf_counter() - start
+                        times[name].append(time.perf_counter() - step)
             after = cpu_load.read(cpus)
             share = (f"{cpu_load.share_between(before, after, threads, len(cpus)).cpu_left_share:.2f}"
                      if before and after else "not read")

@@ -23,9 +23,7 @@ process_env.apply()     # before torch and numpy load, as the CLI does (ablate/p
 
 import argparse
 import contextlib
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +44,9 @@ def step_weights(gen: torch.Generator) -> list[tuple[str, torch.Tensor]]:
     return products + [("head", torch.randn(VOCAB, 576, generator=gen) * 576 ** -0.5)]
 
 
-def native_at(revision: str, workdir: Path):
+def native_at(revision: str):
     """The fp32 matvec as it was at `revision`: (W, x) -> x W^T, called as native.matvec calls today's."""
-    function = function_at(revision, "steps.c", "matvec", workdir)
+    function = function_at(revision, "steps.c", "matvec")
 
     def run(w, x, threads):
         y = torch.empty(x.shape[0], w.shape[0])
@@ -65,8 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     if native.library() is None:
         raise SystemExit(f"no native kernels here: {native.unavailable_reason()}")
-    workdir = tempfile.TemporaryDirectory()
-    earlier = native_at(args.against, Path(workdir.name)) if args.against else None
+    earlier = native_at(args.against) if args.against else None
     threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(0)
     products = step_weights(gen)
@@ -96,20 +93,17 @@ def main() -> None:
                                                atol=1e-4, rtol=1e-4, msg=lambda why, n=name: f"{n} against MKL: {why}")
             times = {name: [] for name in ways_here}
             per_shape = {name: {shape: 0.0 for shape in (*LAYER_SHAPES, "head")} for name in ways_here}
-            cpus = cpu_load.usable_cpus()
-            before = cpu_load.read(cpus)
-            for _ in range(args.rounds):
-                for name, way in ways_here.items():
-                    with numpy_blas.torch_threads(1) if name in one_row_ways else contextlib.nullcontext():
-                        step = time.perf_counter()
-                        for i, (shape, w) in enumerate(products):
-                            start = time.perf_counter()
-                            way(i, w, inputs[w.shape[1]])
-                            per_shape[name][shape] += time.perf_counter() - start
-                        times[name].append(time.perf_counter() - step)
-            after = cpu_load.read(cpus)
-            share = (f"{cpu_load.share_between(before, after, threads, len(cpus)).cpu_left_share:.2f}"
-                     if before and after else "not read")
+            with cpu_load.CpuShareMeter(threads) as meter:
+                for _ in range(args.rounds):
+                    for name, way in ways_here.items():
+                        with numpy_blas.torch_threads(1) if name in one_row_ways else contextlib.nullcontext():
+                            step = time.perf_counter()
+                            for i, (shape, w) in enumerate(products):
+                                start = time.perf_counter()
+                                way(i, w, inputs[w.shape[1]])
+                                per_shape[name][shape] += time.perf_counter() - start
+                            times[name].append(time.perf_counter() - step)
+            share = f"{meter.share.cpu_left_share:.2f}" if meter.share else "not read"
             mkl = log_interval(times["MKL, row-major W"]).center
             for name, seconds in times.items():
                 spread = log_interval(seconds)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 from ablate.model.native import build
@@ -30,9 +31,10 @@ def library_at(revision: str, source: str, workdir: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
-def function_at(revision: str, source: str, name: str, workdir: Path):
+def function_at(revision: str, source: str, name: str):
     """The C function `name` of `source` at `revision`, with today's argument types (build.SIGNATURES):
-    a benchmark calls it as the library's own."""
-    function = getattr(library_at(revision, source, workdir), name)
+    a benchmark calls it as the library's own. (Built in a folder removed once the library is loaded.)"""
+    with tempfile.TemporaryDirectory() as workdir:
+        function = getattr(library_at(revision, source, Path(workdir)), name)
     function.argtypes, function.restype = build.SIGNATURES[name]
     return function

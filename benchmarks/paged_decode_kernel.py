@@ -21,9 +21,7 @@ from ablate import process_env
 process_env.apply()     # before torch and numpy load, as the CLI does (ablate/process_env.py)
 
 import argparse
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -58,10 +56,10 @@ def gathered(q, k, v, tables, lens):
     return out[:, :, 0]                                              # (B, H, D)
 
 
-def kernel_at(revision: str, workdir: Path):
+def kernel_at(revision: str):
     """The paged-decode kernel as it was at `revision`, compiled here with the library's flags, called as
     native.paged_decode_attention calls today's: (q, k, v, tables, lens, threads) -> (B, H, D)."""
-    function = function_at(revision, "paged_attention.c", "paged_decode_attention", workdir)
+    function = function_at(revision, "paged_attention.c", "paged_decode_attention")
 
     def run(q, k, v, tables, lens, threads):
         out = torch.empty_like(q)
@@ -80,8 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     if native.library() is None:
         raise SystemExit(f"no native kernels here: {native.unavailable_reason()}")
-    workdir = tempfile.TemporaryDirectory()
-    earlier = kernel_at(args.against, Path(workdir.name)) if args.against else None
+    earlier = kernel_at(args.against) if args.against else None
     threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(0)
     print(f"{threads} threads; {HEADS} heads over {KV_HEADS} KV heads, D={HEAD_DIM}, blocks of {BLOCK}, "
@@ -101,17 +98,14 @@ def main() -> None:
             torch.testing.assert_close(way(q, t, n), ways["gather + SDPA"](q, t, n), atol=1e-4, rtol=1e-4,
                                        msg=lambda why, name=name: f"{name} against the gather: {why}")
         times: dict[str, list[float]] = {name: [] for name in ways}
-        cpus = cpu_load.usable_cpus()
-        before = cpu_load.read(cpus)
-        for r in range(args.rounds):
-            for name, way in ways.items():
-                q, t, n = steps[(r * len(ways) + list(ways).index(name)) % copies]
-                start = time.perf_counter()
-                way(q, t, n)
-                times[name].append(time.perf_counter() - start)
-        after = cpu_load.read(cpus)
-        share = (f"{cpu_load.share_between(before, after, threads, len(cpus)).cpu_left_share:.2f}"
-                 if before and after else "not read")
+        with cpu_load.CpuShareMeter(threads) as meter:
+            for r in range(args.rounds):
+                for name, way in ways.items():
+                    q, t, n = steps[(r * len(ways) + list(ways).index(name)) % copies]
+                    start = time.perf_counter()
+                    way(q, t, n)
+                    times[name].append(time.perf_counter() - start)
+        share = f"{meter.share.cpu_left_share:.2f}" if meter.share else "not read"
         gather = log_interval(times["gather + SDPA"]).center
         for name, seconds in times.items():
             spread = log_interval(seconds)

@@ -163,7 +163,8 @@ class BuiltArm:
                                   f"missing {missing}, undeclared {extra}")
             out |= {f"{plugin.slot.value}.{k}": v for k, v in values.items()}
         runner = self.engine.runner
-        return out | {f"engine.{k}": v for k, v in (runner.graph_stats() | runner.experts_stats()).items()}
+        return out | {f"engine.{k}": v for k, v in (runner.graph_stats() | runner.layer_stats()
+                                                          | runner.experts_stats()).items()}
 
     def close(self) -> None:
         if self.engine.runner.graphs is not None:

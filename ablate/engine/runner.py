@@ -46,6 +46,8 @@ class ModelRunner:
         self.graphs = (DecodeGraphs(self.device, refused, compute_dtype=dtype)
                        if self.graph_mode == "cuda-graphs" else None)
         self.step_counts = {True: 0, False: 0}      # compile mode: steps run compiled, and not
+        # decoder-layer passes run as two native calls (ablate/model/native/layers.py), and eagerly
+        self.layer_passes = {"native": 0, "eager": 0}
         self.decoding_name = decoding_name          # who passes draft tokens, for error messages
         self.logits_checked = False                 # the first logits are checked once for NaN/inf
 
@@ -126,10 +128,13 @@ class ModelRunner:
         """The eager forward pass: packed tokens -> logits (N, V) of the rows that need them."""
         compile_dense = self.graph_mode == "compile" and step.is_decode
         self.step_counts[compile_dense] += 1
+        fwd = Forward(step, self.kv_cache, self.attention, compile=compile_dense, moe_experts=self.moe_experts)
         with one_row_step(step.num_tokens, self.model.lm_head.weight):
-            hidden = self.model(Forward(step, self.kv_cache, self.attention, compile=compile_dense,
-                                        moe_experts=self.moe_experts))                              # (T, d)
-            return self.model.logits(hidden.index_select(0, step.logits_indices))                   # (N, V)
+            hidden = self.model(fwd)                                                                # (T, d)
+            logits = self.model.logits(hidden.index_select(0, step.logits_indices))                 # (N, V)
+        self.layer_passes["native"] += fwd.native_layers
+        self.layer_passes["eager"] += len(self.model.layers) - fwd.native_layers
+        return logits
 
     def graph_stats(self) -> dict[str, str | int]:
         """How decode steps ran: engine.graphs' mode, the steps replayed (CUDA graphs) or run compiled (a
@@ -142,6 +147,10 @@ class ModelRunner:
         # compile mode: "replays" are the steps that ran compiled
         return {"graphs": mode, "graph_captures": 0, "graph_replays": self.step_counts[True] if compiled else 0,
                 "graph_eager_steps": self.step_counts[False] if compiled else 0, "graph_capture_s": 0.0}
+
+    def layer_stats(self) -> dict[str, int]:
+        """The decoder-layer passes that ran as two native calls (native_layers) and eagerly (eager_layers)."""
+        return {"native_layers": self.layer_passes["native"], "eager_layers": self.layer_passes["eager"]}
 
     def experts_stats(self) -> dict[str, str]:
         """How the experts ran: engine.moe_experts for a mixture of experts, "dense" for a model without."""

@@ -43,6 +43,7 @@ class Forward:
     checked_layer: int = 0      # the layer whose view and output shapes are checked
     compile: bool = False       # the layers' dense arithmetic through torch.compile (engine.graphs on a CPU)
     moe_experts: str = "loop"   # how a mixture of experts computes its experts (engine.moe_experts: ablate/model/moe.py)
+    native_layers: int = 0      # layers that ran as two native calls (ablate/model/native/layers.py)
 
     def dense(self, fn, *args):
         """fn(*args): a layer's arithmetic between the slots (projections, norms, MLP), compiled when

@@ -112,6 +112,7 @@ class Linear(nn.Linear):
         with torch.inference_mode(False), torch.no_grad():
             self.weight.data = w.contiguous() if layout == ROW_MAJOR else w.t().contiguous().t()
         self._numpy_wt = self._numpy_key = None     # a view of the old storage would keep it alive
+        PRODUCT_PATHS.changed()
 
     def input_major(self) -> None:
         """Lay W out as W^T contiguous (see the module docstring); values and shape unchanged."""

@@ -19,7 +19,9 @@ from ablate.model.linear import Linear
 from ablate.model.mla import MultiHeadLatentAttention
 from ablate.model.deepseek_moe import DeepSeekExperts
 from ablate.model.hf_names import read_hf_weights
+from ablate.model.native.layers import layer_out_mlp, layer_qkv
 from ablate.model.moe import MixtureOfExperts
+from ablate.model.product_paths import NATIVE, PRODUCT_PATHS, row_class
 from ablate.model.rope import RotaryEmbedding, apply_rope, rotary_embedding
 
 if TYPE_CHECKING:
@@ -131,11 +133,48 @@ class DecoderLayer(nn.Module):
         # Gemma 3: the windowed layers rotate by a RoPE base of their own
         self.local_rope = bool(cfg.rope_local_base) and cfg.layer_window(layer) is not None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward,
+                native_threads: int = 0) -> torch.Tensor:
+        """x (T, d) -> (T, d). native_threads: run as two native calls on that many threads (the model
+        checked runs_natively), or 0: eagerly."""
+        if native_threads:
+            return self._native_forward(x, rope, fwd, native_threads)
         out = self.attn(self.attn_norm(x), rope, fwd)
         x = x + (out if self.attn_post_norm is None else self.attn_post_norm(out))
         experts = (fwd.moe_experts,) if isinstance(self.mlp, MixtureOfExperts) else ()
         return fwd.dense(_mlp_residual, self, x, *experts)
+
+    def runs_natively(self, dtype: torch.dtype, rows: int, threads: int) -> bool:
+        """Whether the layer's dense arithmetic can run as two native calls (ablate/model/native/layers.py)
+        for `rows` fp32 rows (their row class): only where the eager path would run the same kernels, in
+        the same order, so the choice changes no bit of the output. That is a plain Llama layer (no
+        qk-norm, post-norms, GeGLU, experts or latent attention, as a model variant left it) with each of
+        its four products on the native path for this row class (timed or forced: ablate/model/linear.py).
+        The model checks the rest once a step (LlamaModel.native_threads)."""
+        attn, mlp = self.attn, self.mlp
+        if (type(attn) is not SelfAttention or attn.q_norm is not None or type(mlp) is not SwiGLU or mlp.gelu
+                or self.attn_post_norm is not None or type(self.attn_norm) is not RMSNorm
+                or type(self.mlp_norm) is not RMSNorm or self.attn_norm.weight.dtype != dtype
+                or self.mlp_norm.weight.dtype != dtype):
+            return False
+        for linear in (attn.wqkv, attn.wo, mlp.w_gate_up, mlp.w_down):
+            w = linear.weight
+            if (type(linear) is not Linear or not w.is_contiguous() or (linear.bias is not None and linear is not attn.wqkv)
+                    or PRODUCT_PATHS.path_for((*w.shape, w.dtype, rows, threads)) != NATIVE):
+                return False
+        return True
+
+    def _native_forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward,
+                        threads: int) -> torch.Tensor:
+        """forward() through two native calls around the arm's cache and attention: x (T, d) -> (T, d),
+        written over x (the residual stream the model owns)."""
+        attn, mlp = self.attn, self.mlp
+        q, k, v = layer_qkv(x, self.attn_norm.weight, self.attn_norm.eps, attn.wqkv.weight, attn.wqkv.bias, *rope,
+                            attn.n_heads, attn.n_kv_heads, attn.head_dim, threads)
+        out = fwd.attend(attn.layer, q, fwd.store(attn.layer, k, v), attn.features)      # (T, H, D)
+        fwd.native_layers += 1
+        return layer_out_mlp(x, out, attn.wo.weight, self.mlp_norm.weight, self.mlp_norm.eps, mlp.w_gate_up.weight,
+                             mlp.w_down.weight, threads)
 
 
 def _ropes(cfg: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
@@ -170,6 +209,7 @@ class LlamaModel(nn.Module):
         if cfg.tied_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope, self.rope_local = _ropes(cfg)
+        self._native_plans: dict[tuple, list[int]] = {}     # native_threads' plans, by what they depend on
 
     @torch.inference_mode()
     def forward(self, fwd: Forward) -> torch.Tensor:
@@ -179,9 +219,30 @@ class LlamaModel(nn.Module):
             x = x * float(torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype, device="cpu"))
         rope = self.rope.tables(fwd.step.positions, x.dtype)
         local = self.rope_local.tables(fwd.step.positions, x.dtype) if self.rope_local is not None else rope
-        for layer in self.layers:
-            x = layer(x, local if layer.local_rope else rope, fwd)
+        threads = self.native_threads(x, fwd)
+        if any(threads):    # the native calls take whole tensors, and write the layers' outputs over x
+            x, rope, local = x.contiguous(), tuple(t.contiguous() for t in rope), tuple(t.contiguous() for t in local)
+        for layer, native_threads in zip(self.layers, threads):
+            x = layer(x, local if layer.local_rope else rope, fwd, native_threads)
         return self.norm(x)
+
+    def native_threads(self, x: torch.Tensor, fwd: Forward) -> list[int]:
+        """Per layer, the threads its two native calls run on (DecoderLayer.runs_natively), or 0: eager.
+        Decided once a step, before its first product: checked between a layer's products, the same
+        Python ran on caches the weights had emptied (60 us a layer on an AVX2 EPYC, docs/cpu-products.md).
+        None run natively under torch.compile (engine.graphs), past native.SMALL_ROWS rows, or in a
+        one-row step lent to numpy's BLAS (whose products are not native)."""
+        if fwd.compile or x.shape[0] > native.SMALL_ROWS or not native.takes(x) or PRODUCT_PATHS.lent is not None:
+            return [0] * len(self.layers)
+        threads, rows = torch.get_num_threads(), row_class(x.shape[0])
+        # the plan holds until a path, a layout or what is forced changes; checking 30 layers took 1.3 ms
+        # (Module attribute lookups), a step's whole Python budget
+        key = (PRODUCT_PATHS.generation, x.dtype, rows, threads, len(self.layers))
+        plan = self._native_plans.get(key)
+        if plan is None:
+            plan = [threads if layer.runs_natively(x.dtype, rows, threads) else 0 for layer in self.layers]
+            self._native_plans = {k: v for k, v in self._native_plans.items() if k[0] == key[0]} | {key: plan}
+        return plan
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

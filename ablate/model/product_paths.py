@@ -87,6 +87,9 @@ class ProductPaths:
         self._timings = 0
         self._layers: weakref.WeakSet = weakref.WeakSet()
         self.lent: int | None = None                        # torch's threads while a one-row step lends them
+        # bumped by every change of a path, a layout or what is forced: what was derived from them
+        # (LlamaModel.native_threads' plan) is derived again
+        self.generation = 0
         self.native = native.LIBRARY
 
     # -- the public API ------------------------------------------------------------------------------
@@ -141,6 +144,7 @@ class ProductPaths:
         self._layouts.clear()
         self._one_row.clear()
         self._forced, self._setting = {}, "auto"
+        self.changed()
         if layers:
             self._layers = weakref.WeakSet()
 
@@ -158,6 +162,7 @@ class ProductPaths:
         self._paths, self._layouts, self._one_row = dict(saved.paths), dict(saved.layouts), dict(saved.one_row)
         self._forced, self._setting = dict(saved.forced), saved.setting
         self._layers = weakref.WeakSet(saved.layers)
+        self.changed()
 
     def without_native(self, reason: str):
         """A block in which the native kernels are unavailable (`reason` says why): products, norms and
@@ -166,12 +171,17 @@ class ProductPaths:
 
     # -- for ablate/model/linear.py ------------------------------------------------------------------
 
+    def changed(self) -> None:
+        """Count a change of the paths, the layouts (a weight laid out anew) or what is forced."""
+        self.generation += 1
+
     def path_for(self, key: tuple) -> str | None:
         """The path chosen for products of `key` (d_out, d_in, dtype, row class, threads), or None yet."""
         return self._paths.get(key)
 
     def keep(self, key: tuple, path: str) -> None:
         self._paths[key] = path
+        self.changed()
 
     def layout_for(self, shape: tuple) -> str | None:
         """The layout the weights of `shape` (d_out, d_in, dtype) are held in, or None: not settled yet."""
@@ -179,6 +189,7 @@ class ProductPaths:
 
     def keep_layout(self, shape: tuple, layout: str) -> None:
         self._layouts[shape] = layout
+        self.changed()
 
     def uses(self, shape: tuple, path: str) -> bool:
         """Whether a kind of product of `shape` (d_out, d_in, dtype) has `path` chosen."""
@@ -283,6 +294,7 @@ class ProductPaths:
             if c == 0:
                 self._one_row.clear()
         self._forced, self._setting = dict(forced), setting
+        self.changed()
 
 
 PRODUCT_PATHS = ProductPaths()

@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "steps.c", HERE / "paged_attention.c")     # compiled, in this order, into one library
+SOURCES = (HERE / "steps.c", HERE / "paged_attention.c", HERE / "layers.c")   # compiled, in this order, into one library
 HEADERS = (HERE / "vectors.h",)                              # included by them: part of the cache key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 DIGEST_CHARS = 16                 # a cached library's name ends in this many hex digits of its sha256
@@ -43,6 +43,8 @@ SIGNATURES = {
     "rope": ([_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int], None),
     "silu_mul": ([_p, _p, _i64, _i64, ctypes.c_int], None),
     "paged_decode_attention": ([_p] * 6 + [_i64] * 6 + [ctypes.c_float, ctypes.c_int], None),
+    "layer_qkv": ([_p, _p, ctypes.c_float] + [_p] * 8 + [_i64] * 5 + [ctypes.c_int], None),
+    "layer_out_mlp": ([_p, _p, _p, _p, ctypes.c_float] + [_p] * 4 + [_i64] * 4 + [ctypes.c_int], None),
     "vector_floats": ([], ctypes.c_int),
 }
 

@@ -1,0 +1,119 @@
+"""A decoder layer's dense arithmetic as two native calls (ablate/model/native/layers.py): taken only where
+the eager path would run the same kernels, so that every logit keeps its bits; never where it would
+compute otherwise; decided again when a product's path or a weight's layout changes."""
+import pytest
+import torch
+
+from ablate.api.context import EngineConfig
+from ablate.api.sequence import Request
+from ablate.engine.runner import ModelRunner
+from ablate.model import native
+from ablate.model.llama import LlamaModel
+from ablate.model.native.layers import layer_out_mlp, layer_qkv
+from ablate.model.presets import preset
+from ablate.model.linear import Linear
+from ablate.model.product_paths import MKL, NATIVE, ROW_MAJOR
+from ablate.testing.scenarios import build
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"no native kernels: {native.unavailable_reason()}")
+
+PROMPTS = (20, 5, 11, 14)       # tokens
+ARMS = {"contiguous+sdpa": {"kv_cache": "contiguous", "attention": "sdpa"},
+        "paged+paged": {"kv_cache": "paged", "attention": "paged"}}
+
+
+def run(registry, model: LlamaModel, arm: dict, batch: int, native_layers: bool = True):
+    """Greedy decode of `batch` requests (prompts of 20, 5, 11 and 14 tokens: prefills past 16 rows, and
+    steps of 1 to 16); returns every step's logits and the runner's layer counts."""
+    logits = []
+    eager_logits = ModelRunner._logits
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelRunner, "_logits", lambda self, step: logits.append(eager_logits(self, step)) or logits[-1])
+        if not native_layers:
+            mp.setattr(LlamaModel, "native_threads", lambda self, x, fwd: [0] * len(self.layers))
+        built = build(registry, arm, model, EngineConfig(max_num_seqs=batch), 96)
+        try:
+            built.engine.run([Request(i, tuple(range(3 + i, 3 + i + n)), 10) for i, n in enumerate(PROMPTS[:batch])])
+            return logits, built.engine.runner.layer_stats()
+        finally:
+            built.close()
+
+
+@pytest.mark.parametrize("arm", sorted(ARMS))
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("shape", [{}, {"qkv_bias": True}, {"n_kv_heads": 1}, {"n_kv_heads": 4, "head_dim": 8}])
+def test_native_layers_give_the_eager_paths_bits(arm, batch, shape, ablate_registry, fresh_product_paths):
+    """Every logit of every step equal, bit for bit, with the layers as native calls and eagerly, on
+    the native product path (forced), over either kind of cache and attention, with a QKV bias and
+    other head groupings; the steps of up to 16 rows ran natively, the prefills past 16 eagerly."""
+    model = LlamaModel.random(preset("tiny", **shape))
+    fresh_product_paths.force(NATIVE)
+    eager, counts = run(ablate_registry, model, ARMS[arm], batch, native_layers=False)
+    assert counts["native_layers"] == 0
+    fused, counts = run(ablate_registry, model, ARMS[arm], batch)
+    assert len(fused) == len(eager)
+    for step, (got, want) in enumerate(zip(fused, eager)):
+        assert torch.equal(got, want), f"step {step}: logits differ by up to {(got - want).abs().max():.3g}"
+    # every step but the prefill (past 16 rows): the eager run chose the products' paths
+    assert counts == {"native_layers": (len(fused) - 1) * model.config.n_layers,
+                      "eager_layers": model.config.n_layers}
+
+
+@pytest.mark.parametrize("why", ["products on mkl", "qk_norm", "post_norms", "gelu_tanh", "bf16", "experts"])
+def test_layers_run_eagerly_where_the_native_calls_would_compute_otherwise(why, ablate_registry, fresh_product_paths):
+    """The native calls compose the native products, norms, RoPE and SwiGLU: a layer whose products
+    take another path, whose arithmetic has more in it, or of another dtype, runs eagerly."""
+    overrides = {"qk_norm": {"qk_norm": True}, "post_norms": {"post_norms": True},
+                 "gelu_tanh": {"mlp_activation": "gelu_tanh"}, "bf16": {"dtype": "bf16"},
+                 "experts": {"n_experts": 4, "n_experts_per_token": 2}}.get(why, {})
+    model = LlamaModel.random(preset("tiny", **overrides))
+    fresh_product_paths.force(MKL if why == "products on mkl" else NATIVE)
+    for m in model.modules():      # as the native path reads them: only the products' path stands in the way
+        if isinstance(m, Linear):
+            m.lay_out(ROW_MAJOR)
+    _, counts = run(ablate_registry, model, ARMS["paged+paged"], 2)
+    assert counts["native_layers"] == 0 and counts["eager_layers"] > 0
+
+
+def test_the_plan_is_made_again_when_a_path_or_a_layout_changes(ablate_registry, fresh_product_paths, monkeypatch):
+    """Which layers run natively is decided once and kept while nothing it depends on changes: a path
+    forced anew, or a weight laid out input-major (which the native calls cannot read), sends the
+    layers back to the eager path at once."""
+    model = LlamaModel.random(preset("tiny"))
+    fresh_product_paths.force(NATIVE)
+    _, counts = run(ablate_registry, model, ARMS["paged+paged"], 1)
+    assert counts["native_layers"] > 0
+    fresh_product_paths.force(MKL)
+    _, counts = run(ablate_registry, model, ARMS["paged+paged"], 1)
+    assert counts["native_layers"] == 0
+    fresh_product_paths.force(NATIVE)
+    _, counts = run(ablate_registry, model, ARMS["paged+paged"], 1)
+    assert counts["native_layers"] > 0
+    model.layers[1].mlp.w_down.input_major()       # a layout the native calls cannot read, made between steps
+    plans = []
+    plan_for = LlamaModel.native_threads
+    monkeypatch.setattr(LlamaModel, "native_threads", lambda self, x, fwd: plans.append(plan_for(self, x, fwd)) or plans[-1])
+    got, _ = run(ablate_registry, model, ARMS["paged+paged"], 1)
+    threads = torch.get_num_threads()
+    # the prefill; the first decode step, whose plan saw the layout (the layer's eager product lays its
+    # weight out row-major again, as the native path reads it); then every layer native again
+    assert plans[:3] == [[0, 0], [threads, 0], [threads, threads]]
+    monkeypatch.undo()
+    model.layers[1].mlp.w_down.input_major()
+    want, _ = run(ablate_registry, model, ARMS["paged+paged"], 1, native_layers=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_native_calls_refuse_what_would_read_past_their_buffers():
+    """The C code trusts its pointers: a weight of another shape or not contiguous is a ValueError naming it."""
+    d, heads, kv_heads, dim, f = 16, 2, 1, 8, 24
+    x, norm = torch.randn(1, d), torch.ones(d)
+    cos = sin = torch.ones(1, 1, dim)
+    w_qkv = torch.randn((heads + 2 * kv_heads) * dim, d)
+    with pytest.raises(ValueError, match="w_qkv"):
+        layer_qkv(x, norm, 1e-5, w_qkv.t().contiguous().t(), None, cos, sin, heads, kv_heads, dim, 1)
+    with pytest.raises(ValueError, match="bias"):
+        layer_qkv(x, norm, 1e-5, w_qkv, torch.zeros(3), cos, sin, heads, kv_heads, dim, 1)
+    q, _, _ = layer_qkv(x, norm, 1e-5, w_qkv, None, cos, sin, heads, kv_heads, dim, 1)
+    with pytest.raises(ValueError, match="w_down"):
+        layer_out_mlp(x, q, torch.randn(d, heads * dim), norm, 1e-5, torch.randn(2 * f, d), torch.randn(d + 1, f), 1)

@@ -9,7 +9,7 @@ from ablate.api.sequence import Request
 from ablate.engine.runner import ModelRunner
 from ablate.model import native
 from ablate.model.llama import LlamaModel
-from ablate.model.native.layers import layer_out_mlp, layer_qkv
+from ablate.model.native.layers import LayerCalls
 from ablate.model.presets import preset
 from ablate.model.linear import Linear
 from ablate.model.product_paths import MKL, NATIVE, ROW_MAJOR
@@ -30,7 +30,7 @@ def run(registry, model: LlamaModel, arm: dict, batch: int, native_layers: bool 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ModelRunner, "_logits", lambda self, step: logits.append(eager_logits(self, step)) or logits[-1])
         if not native_layers:
-            mp.setattr(LlamaModel, "native_threads", lambda self, x, fwd: [0] * len(self.layers))
+            mp.setattr(LlamaModel, "native_plan", lambda self, x, fwd: None)
         built = build(registry, arm, model, EngineConfig(max_num_seqs=batch), 96)
         try:
             built.engine.run([Request(i, tuple(range(3 + i, 3 + i + n)), 10) for i, n in enumerate(PROMPTS[:batch])])
@@ -91,13 +91,18 @@ def test_the_plan_is_made_again_when_a_path_or_a_layout_changes(ablate_registry,
     assert counts["native_layers"] > 0
     model.layers[1].mlp.w_down.input_major()       # a layout the native calls cannot read, made between steps
     plans = []
-    plan_for = LlamaModel.native_threads
-    monkeypatch.setattr(LlamaModel, "native_threads", lambda self, x, fwd: plans.append(plan_for(self, x, fwd)) or plans[-1])
+    plan_for = LlamaModel.native_plan
+
+    def native_layers(model, x, fwd):        # per step: which layers run natively
+        plan = plan_for(model, x, fwd)
+        plans.append([False] * 2 if plan is None else [n is not None for n in plan[0]])
+        return plan
+
+    monkeypatch.setattr(LlamaModel, "native_plan", native_layers)
     got, _ = run(ablate_registry, model, ARMS["paged+paged"], 1)
-    threads = torch.get_num_threads()
     # the prefill; the first decode step, whose plan saw the layout (the layer's eager product lays its
     # weight out row-major again, as the native path reads it); then every layer native again
-    assert plans[:3] == [[0, 0], [threads, 0], [threads, threads]]
+    assert plans[:3] == [[False, False], [True, False], [True, True]]
     monkeypatch.undo()
     model.layers[1].mlp.w_down.input_major()
     want, _ = run(ablate_registry, model, ARMS["paged+paged"], 1, native_layers=False)
@@ -105,15 +110,34 @@ def test_the_plan_is_made_again_when_a_path_or_a_layout_changes(ablate_registry,
 
 
 def test_native_calls_refuse_what_would_read_past_their_buffers():
-    """The C code trusts its pointers: a weight of another shape or not contiguous is a ValueError naming it."""
+    """The C code trusts its pointers: a weight, an input or a scratch of another shape, or not contiguous,
+    is a ValueError naming it."""
     d, heads, kv_heads, dim, f = 16, 2, 1, 8, 24
-    x, norm = torch.randn(1, d), torch.ones(d)
-    cos = sin = torch.ones(1, 1, dim)
-    w_qkv = torch.randn((heads + 2 * kv_heads) * dim, d)
-    with pytest.raises(ValueError, match="w_qkv"):
-        layer_qkv(x, norm, 1e-5, w_qkv.t().contiguous().t(), None, cos, sin, heads, kv_heads, dim, 1)
-    with pytest.raises(ValueError, match="bias"):
-        layer_qkv(x, norm, 1e-5, w_qkv, torch.zeros(3), cos, sin, heads, kv_heads, dim, 1)
-    q, _, _ = layer_qkv(x, norm, 1e-5, w_qkv, None, cos, sin, heads, kv_heads, dim, 1)
-    with pytest.raises(ValueError, match="w_down"):
-        layer_out_mlp(x, q, torch.randn(d, heads * dim), norm, 1e-5, torch.randn(2 * f, d), torch.randn(d + 1, f), 1)
+    norm = torch.ones(d)
+    weights = {"w_qkv": torch.randn((heads + 2 * kv_heads) * dim, d), "b_qkv": None,
+               "w_o": torch.randn(d, heads * dim), "w_gate_up": torch.randn(2 * f, d), "w_down": torch.randn(d, f)}
+
+    def calls(**wrong):
+        w = weights | wrong
+        return LayerCalls(norm, 1e-5, w["w_qkv"], w["b_qkv"], w["w_o"], norm, 1e-5, w["w_gate_up"], w["w_down"],
+                          heads, kv_heads, dim, 1)
+
+    for name, bad in (("w_qkv", weights["w_qkv"].t().contiguous().t()), ("b_qkv", torch.zeros(3)),
+                      ("w_o", torch.randn(d, heads * dim + 1)), ("w_gate_up", torch.randn(2 * f + 2, d)),
+                      ("w_down", torch.randn(d, f).t().contiguous().t())):
+        with pytest.raises(ValueError, match=name):
+            calls(**{name: bad})
+    layer = calls()
+    x, cos = torch.randn(3, d), torch.ones(3, 1, dim)
+    scratch = torch.empty(3 * layer.scratch_floats)
+    layer.check_step(x, cos, cos, scratch)
+    q, k, v = layer.outputs(3)
+    layer.qkv(x, cos, cos, scratch, (q, k, v))
+    with pytest.raises(ValueError, match="scratch"):
+        layer.check_step(x, cos, cos, scratch[:-1])
+    with pytest.raises(ValueError, match="cos"):
+        layer.check_step(x, torch.ones(2, 1, dim), cos, scratch)
+    with pytest.raises(ValueError, match="x is"):
+        layer.check_step(torch.randn(3, d + 1), cos, cos, scratch)
+    with pytest.raises(ValueError, match="attn"):       # what the attention plugin returned
+        layer.out_mlp(x, q[:2], scratch)

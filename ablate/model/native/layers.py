@@ -2,20 +2,18 @@
 norm, the QKV product and RoPE; after the attention, the output product, the residual, the MLP norm,
 SwiGLU and the second residual. The KV cache and the attention stay the arm's own slots, called
 between the two. The calls run the kernels the layer's eager path runs (steps.c), in its order, so they
-give the same bits: what they save is the twenty-odd Python calls between the products.
+give the same bits: what they save is the Python between the products.
 
-The caller (ablate/model/llama.py) takes this path only where the eager one would run these kernels:
-fp32 on the CPU, every product of the layer on the native path for its row count.
+A LayerCalls binds one layer's weights once (checked, and held, so that their pointers stay valid);
+each call then passes only the step's own tensors. The caller (ablate/model/llama.py) makes them only
+where the eager path would run these kernels: fp32 on the CPU, every product of the layer on the
+native path for its row count, and makes them again whenever a path or a layout changes.
 """
 from __future__ import annotations
 
 import torch
 
 from ablate.model.native.build import library
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def _check(what: str, dtype: torch.dtype, **tensors: tuple[torch.Tensor | None, tuple[int, ...]]) -> None:
@@ -28,36 +26,59 @@ def _check(what: str, dtype: torch.dtype, **tensors: tuple[torch.Tensor | None, 
                              f"{t.is_contiguous()}), expected a contiguous {shape} {dtype} on the CPU")
 
 
-def layer_qkv(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
-              cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, dim: int,
-              threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (T, d) -> q (T, H, D), k (T, H_kv, D) rotated by cos, sin (T, 1, D), and v (T, H_kv, D), from
-    rms_norm(x) W_qkv^T (+ b). Every tensor contiguous fp32 on the CPU (the caller checked). q, k and v
-    are new tensors, since the cache may keep k and v; one allocation holds them and the scratch."""
-    t, d = x.shape
-    width = (heads + 2 * kv_heads) * dim
-    _check("layer_qkv", x.dtype, x=(x, (t, d)), norm=(norm_w, (d,)), w_qkv=(w_qkv, (width, d)),
-           bias=(b_qkv, (width,)), cos=(cos, (t, 1, dim)), sin=(sin, (t, 1, dim)))
-    out = torch.empty(t * (width + d + width), dtype=x.dtype)
-    q, k, v, scratch = out.split((t * heads * dim, t * kv_heads * dim, t * kv_heads * dim, t * (d + width)))
-    library().layer_qkv(x.data_ptr(), norm_w.data_ptr(), eps, w_qkv.data_ptr(), _ptr(b_qkv), cos.data_ptr(),
-                        sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), scratch.data_ptr(), t, d, heads,
-                        kv_heads, dim, threads)
-    return q.view(t, heads, dim), k.view(t, kv_heads, dim), v.view(t, kv_heads, dim)
+class LayerCalls:
+    """One decoder layer's two native calls, its weights bound: W_qkv ((H + 2 H_kv) D, d) and its bias
+    or None, W_o (d, H D), W_gate_up (2 F, d), W_down (d, F), the two norms' weights (d) and epsilons."""
 
+    def __init__(self, attn_norm: torch.Tensor, attn_eps: float, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
+                 w_o: torch.Tensor, mlp_norm: torch.Tensor, mlp_eps: float, w_gate_up: torch.Tensor,
+                 w_down: torch.Tensor, heads: int, kv_heads: int, dim: int, threads: int) -> None:
+        d, f = w_down.shape
+        self.width = (heads + 2 * kv_heads) * dim               # a row of QKV
+        _check("layer", w_qkv.dtype, attn_norm=(attn_norm, (d,)), w_qkv=(w_qkv, (self.width, d)),
+               b_qkv=(b_qkv, (self.width,)), w_o=(w_o, (d, heads * dim)), mlp_norm=(mlp_norm, (d,)),
+               w_gate_up=(w_gate_up, (2 * f, d)), w_down=(w_down, (d, f)))
+        self.held = (attn_norm, w_qkv, b_qkv, w_o, mlp_norm, w_gate_up, w_down)    # their pointers below stay valid
+        self.d, self.f, self.heads, self.kv_heads, self.dim, self.dtype = d, f, heads, kv_heads, dim, w_qkv.dtype
+        self.qkv_args = (attn_norm.data_ptr(), attn_eps, w_qkv.data_ptr(), None if b_qkv is None else b_qkv.data_ptr())
+        self.out_mlp_args = (w_o.data_ptr(), mlp_norm.data_ptr(), mlp_eps, w_gate_up.data_ptr(), w_down.data_ptr())
+        self.threads = threads
+        self.scratch_floats = max(d + self.width, 2 * d + 3 * f)    # per row, for either call
 
-def layer_out_mlp(x: torch.Tensor, attn: torch.Tensor, w_o: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                  w_gate_up: torch.Tensor, w_down: torch.Tensor, threads: int) -> torch.Tensor:
-    """x (T, d), attn (T, H, D) -> h + down(silu(gate) * up) with h = x + attn W_o^T and gate, up the
-    halves of rms_norm(h) W_gate_up^T: the layer's output (T, d), written over x and returned."""
-    t, d = x.shape
-    f = w_down.shape[1]
-    attn = attn.contiguous()
-    q_size = attn.numel() // max(t, 1)
-    _check("layer_out_mlp", x.dtype, x=(x, (t, d)), attn=(attn, (t, *attn.shape[1:])), w_o=(w_o, (d, q_size)),
-           norm=(norm_w, (d,)), w_gate_up=(w_gate_up, (2 * f, d)), w_down=(w_down, (d, f)))
-    scratch = torch.empty(t * (2 * d + 3 * f), dtype=x.dtype)
-    library().layer_out_mlp(x.data_ptr(), attn.data_ptr(), w_o.data_ptr(), norm_w.data_ptr(), eps,
-                            w_gate_up.data_ptr(), w_down.data_ptr(), x.data_ptr(), scratch.data_ptr(), t, d,
-                            q_size, f, threads)
-    return x
+    def outputs(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """New q (T, H, D), k and v (T, H_kv, D) for qkv to write, in one allocation: new each step, as
+        the cache may keep k and v. Made before the step's first product: made between two products,
+        the same Python took 40 us a layer on the caches the weights had emptied."""
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.dim
+        q, k, v = torch.empty(t * self.width, dtype=self.dtype).split((t * heads * dim, t * kv_heads * dim,
+                                                                       t * kv_heads * dim))
+        return q.view(t, heads, dim), k.view(t, kv_heads, dim), v.view(t, kv_heads, dim)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scratch: torch.Tensor,
+            out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """x (T, d) -> out: q (T, H, D) and k (T, H_kv, D) rotated by cos, sin (T, 1, D), and v (T, H_kv, D),
+        of rms_norm(x) W_qkv^T (+ b). out: from outputs(T); scratch: T x scratch_floats floats of the
+        step's. The caller checked x, cos, sin and scratch (check_step)."""
+        q, k, v = out
+        library().layer_qkv(x.data_ptr(), *self.qkv_args, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
+                            v.data_ptr(), scratch.data_ptr(), x.shape[0], self.d, self.heads, self.kv_heads, self.dim,
+                            self.threads)
+
+    def out_mlp(self, x: torch.Tensor, attn: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        """x (T, d), attn (T, H, D) -> h + down(silu(gate) * up) with h = x + attn W_o^T and gate, up the
+        halves of rms_norm(h) W_gate_up^T: the layer's output (T, d), written over x and returned."""
+        t = x.shape[0]
+        attn = attn.contiguous()
+        if attn.shape != (t, self.heads, self.dim) or attn.dtype != self.dtype:     # the attention plugin's output
+            raise ValueError(f"native layer: attn is {tuple(attn.shape)} {attn.dtype}, expected "
+                             f"{(t, self.heads, self.dim)} {self.dtype}")
+        library().layer_out_mlp(x.data_ptr(), attn.data_ptr(), *self.out_mlp_args, x.data_ptr(), scratch.data_ptr(), t,
+                                self.d, self.heads * self.dim, self.f, self.threads)
+        return x
+
+    def check_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scratch: torch.Tensor) -> None:
+        """What qkv and out_mlp take of a step, checked once a step for every layer it fits (the model
+        makes them and passes the same tensors to each layer)."""
+        t = x.shape[0]
+        _check("layer", self.dtype, x=(x, (t, self.d)), cos=(cos, (t, 1, self.dim)), sin=(sin, (t, 1, self.dim)),
+               scratch=(scratch, (t * self.scratch_floats,)))

@@ -98,6 +98,7 @@ class PagedKVCache(KVCache):
         self.manager = BlockManager(num_blocks, bs, config.prefix_caching)
         self.k = torch.zeros(group_layers, num_blocks, bs, s.n_kv_heads, s.k_head_dim, dtype=s.dtype, device=s.device)
         self.v = torch.zeros(group_layers, num_blocks, bs, s.n_kv_heads, s.v_head_dim, dtype=s.dtype, device=s.device)
+        self._views = None          # _pool_views
         # stats
         self.max_seqs_admitted = 0
         self.blocks_used_peak = 0
@@ -195,16 +196,28 @@ class PagedKVCache(KVCache):
         step.plan["slot_mapping"] = device_tensor(slots, torch.long, device)                  # (G, T)
 
     def write(self, layer: int, step: StepInputs, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v (T, H_kv, D) -> slots of the flattened (num_blocks * block_size, H_kv, D) pool (flatten,
-        # not view(-1, ...): MLA's V has zero width, and -1 cannot be inferred from zero elements)
+        # k, v (T, H_kv, D) -> slots of the flattened (num_blocks * block_size, H_kv, D) pool
         group, i = self._where[layer]
-        slots = step.plan["slot_mapping"][group]
-        self.k[i].flatten(0, 1).index_copy_(0, slots, k)
-        self.v[i].flatten(0, 1).index_copy_(0, slots, v)
+        slots = step.memo("paged/slot_mapping", lambda: step.plan["slot_mapping"].unbind(0))[group]     # (T,)
+        _, _, k_slots, v_slots = self._pool_views()[i]
+        k_slots.index_copy_(0, slots, k)
+        v_slots.index_copy_(0, slots, v)
 
     def view(self, layer: int, step: StepInputs) -> PagedKV:
         group, i = self._where[layer]
-        return PagedKV(self.k[i], self.v[i], step.plan["block_tables"][group])
+        k, v, _, _ = self._pool_views()[i]
+        return PagedKV(k, v, step.memo("paged/block_tables", lambda: step.plan["block_tables"].unbind(0))[group])
+
+    def _pool_views(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per layer of the pool: its K and V (num_blocks, block_size, H_kv, D), and both flattened to slots
+        (flatten, not view(-1, ...): MLA's V has zero width, and -1 cannot be inferred from zero elements).
+        Made once per pool (a subclass may replace it), not three views a layer a step: at batch 1 each
+        write and view is a few microseconds of a step's few tens of milliseconds."""
+        views = self._views
+        if views is None or views[0] is not self.k or views[1] is not self.v:
+            views = self._views = (self.k, self.v, [(k, v, k.flatten(0, 1), v.flatten(0, 1))
+                                                    for k, v in zip(self.k, self.v, strict=True)])
+        return views[2]
 
     # -- memory ------------------------------------------------------------------------------------
     def bytes_reserved(self) -> int:

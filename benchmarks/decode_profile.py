@@ -10,14 +10,18 @@ products run several ways, interleaved round by round in one process: `timed` (t
 ablate.model.linear times at run time: what every run uses), `no native` (the same, timed and run
 without ablate's native kernels, ablate/model/native/: its products and its RMSNorm), `mkl` and
 `onednn` (every product of up to 16 rows forced onto one of torch's paths), and at batch 1 `numpy`
-(every one-token step lent to numpy's BLAS, ablate/model/numpy_blas.py) and `native` (every one-row
-product on the native kernel); past 16 rows only `timed` (the native kernels take at most 16). Per way: the decode step's median time from the engine's recorder, and a torch.profiler breakdown of
-the same steps run again, each category's share of the profiled step applied to the unprofiled one:
-the products (mkldnn::_linear_pointwise, aten::mm/addmm, numpy's matmul, the native matvec), the
-attention and KV-cache slots (the plugins' whole calls), RMSNorm (aten::rms_norm and the operations
-it is made of, or the native kernel) and the rest; beside it the weights' bytes per step over the
-step time against the machine's read bandwidth (a 1 GiB buffer, measured here), and the products'
-arithmetic rate (2 flops per weight per row).
+(every one-token step lent to numpy's BLAS, ablate/model/numpy_blas.py), `native` (every one-row
+product on the native kernel, each layer's dense arithmetic in two native calls around the cache and
+the attention: ablate/model/native/layers.py) and `native, op by op` (the same kernels called one by
+one from Python, as before the layer calls); past 16 rows only `timed` (the native kernels take at
+most 16). Per way: the decode step's median time from the engine's recorder, and a torch.profiler
+breakdown of the same steps run again, each category's share of the profiled step applied to the
+unprofiled one: the products (mkldnn::_linear_pointwise, aten::mm/addmm, numpy's matmul, the native
+matvec), the layers' native calls (their products, norms, RoPE and SwiGLU), the attention and
+KV-cache slots (the plugins' whole calls), RMSNorm (aten::rms_norm and the operations it is made of,
+or the native kernel) and the rest; beside it the weights' bytes per step over the step time against
+the machine's read bandwidth (a 1 GiB buffer, measured here), and the products' arithmetic rate (2
+flops per weight per row; none where the layer calls hold the products).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ process_env.apply()     # first, before torch and numpy load, as the CLI does: h
 
 import argparse
 import contextlib
+import unittest.mock
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +49,8 @@ from ablate.measure.recorder import Recorder, StepHook
 from ablate.model import native, numpy_blas
 from ablate.model.presets import preset
 from ablate.model.forward import Forward
+from ablate.model.llama import LlamaModel
+from ablate.model.native.layers import LayerCalls
 from ablate.model.linear import Linear
 from ablate.model.product_paths import PRODUCT_PATHS
 
@@ -53,7 +60,9 @@ CATEGORIES = {"products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm
                            "native::matvec"),
               "attention": ("slot::attention",),
               "kv_cache": ("slot::kv_cache",),
+              "layer_calls": ("native::layer_qkv", "native::layer_out_mlp"),
               "rms_norm": ("aten::rms_norm", "native::rms_norm")}
+OP_BY_OP = "native, op by op"    # the native way with each layer's kernels called one by one from Python
 
 
 def force(way: str, chosen: dict) -> None:
@@ -63,8 +72,15 @@ def force(way: str, chosen: dict) -> None:
     PRODUCT_PATHS.restore(chosen["no native" if way == "no native" else "timed"])
     if way in ("mkl", "onednn"):
         PRODUCT_PATHS.force({"1": way, "2-16": way})
-    elif way in ("numpy", "native"):
-        PRODUCT_PATHS.force({"1": way})
+    elif way in ("numpy", "native", OP_BY_OP):
+        PRODUCT_PATHS.force({"1": "native" if way == OP_BY_OP else way})
+
+
+def layers_as_calls(on: bool):
+    """The layers' dense arithmetic as two native calls where they can run so (LlamaModel.native_plan), or
+    op by op from Python."""
+    return contextlib.nullcontext() if on else unittest.mock.patch.object(LlamaModel, "native_plan",
+                                                                          lambda self, x, fwd: None)
 
 
 def native_kernels(on: bool):
@@ -146,17 +162,19 @@ def main() -> None:
         chosen[way] = PRODUCT_PATHS.snapshot()
     Linear._numpy = named(Linear._numpy, "numpy_blas::matmul")
     native.matvec, native.rms_norm = named(native.matvec, "native::matvec"), named(native.rms_norm, "native::rms_norm")
+    LayerCalls.qkv = named(LayerCalls.qkv, "native::layer_qkv")
+    LayerCalls.out_mlp = named(LayerCalls.out_mlp, "native::layer_out_mlp")
     Forward.attend, Forward.store = named(Forward.attend, "slot::attention"), named(Forward.store, "slot::kv_cache")
     bandwidth = measure_read_bandwidth() / 1e9
     # past 16 rows a step's products keep their timed paths whatever the way: one way to run
     numpy = args.batch == 1 and numpy_blas.blas_threads(torch.get_num_threads())
     ways = ("timed",) if args.batch > 16 else (("timed", "no native", "mkl", "onednn") + (("numpy",) if numpy else ())
-                                               + (("native",) if args.batch == 1 and native.available() else ()))
+                                               + (("native", OP_BY_OP) if args.batch == 1 and native.available() else ()))
     rows = []
     for round_ in range(args.rounds):
         for way in ways if round_ % 2 == 0 else ways[::-1]:
             force(way, chosen)
-            with native_kernels(way != "no native"):
+            with native_kernels(way != "no native"), layers_as_calls(way != OP_BY_OP):
                 step_ms, n, _ = decode_steps(model, arm, registry, args.batch, args.steps, profiled=False)
                 profiled_ms, n, prof = decode_steps(model, arm, registry, args.batch, args.steps, profiled=True)
             rows.append({"way": way, "round": round_, "step_ms": step_ms} | breakdown(prof, n, profiled_ms, step_ms))
@@ -168,7 +186,8 @@ def main() -> None:
     table["weights_gb_s"] = model.weight_bytes() / table["step_ms"] / 1e6
     table["of_read_bandwidth"] = table["weights_gb_s"] / bandwidth
     # 2 flops per weight per row (the embedding table counted once, as the tied LM head)
-    table["products_gflop_s"] = 2 * args.batch * model.weight_bytes() / 4 / table["products_ms"] / 1e6
+    table["products_gflop_s"] = (2 * args.batch * model.weight_bytes() / 4 / table["products_ms"] / 1e6).where(
+        table["layer_calls_ms"] == 0)
     print(f"read bandwidth {bandwidth:.1f} GB/s (1 GiB buffer); {torch.get_num_threads()} threads; batch {args.batch}; "
           f"timed choices: {PRODUCT_PATHS.choices()}")
     print(table.to_markdown(floatfmt=".3g"))

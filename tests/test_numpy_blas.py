@@ -9,7 +9,7 @@ import ablate.model.linear as linear
 import ablate.model.path_timing as path_timing
 from ablate.model import native, numpy_blas
 from ablate.model.linear import PACKABLE, Linear
-from ablate.model.product_paths import MKL, NUMPY, PRODUCT_PATHS
+from ablate.model.product_paths import MKL, NATIVE, NUMPY, PRODUCT_PATHS
 
 pytestmark = [       # the tests run torch on one thread (conftest.py): numpy's BLAS too, where nothing spins
     pytest.mark.skipif(torch.float32 not in PACKABLE or numpy_blas.unavailable_reason(1) is not None,
@@ -113,6 +113,32 @@ def test_numpy_is_judged_with_a_steps_operations_between_its_products(clock):
     assert not PRODUCT_PATHS.lends_one_row(torch.float32, threads)
     assert PRODUCT_PATHS.path_for((80, 48, torch.float32, 0, threads)) == MKL
     assert all(linear.layout_of(m.weight) == "input-major" for m in layers)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"no native kernels: {native.unavailable_reason()}")
+@pytest.mark.parametrize("in_layers", [True, False])
+def test_native_layers_are_judged_with_their_products_back_to_back(clock, in_layers):
+    """With a step's operations between them the native kernel loses to numpy's BLAS, lent the cores; but
+    the products of layers that run as native calls (ablate/model/native/layers.py) have no Python
+    between them, so their back-to-back time is what a step spends. Where every layer of the shapes is
+    such a layer, one-row steps take the native kernel for every shape ("native layers"), the weights
+    row-major for it; where none is, the operations count and numpy wins."""
+    costs, _ = clock
+    costs.update({"mkl-row-major": 1.0, "mkl-input-major": 0.9, "numpy-row-major": 0.45, "numpy-input-major": 0.5,
+                  "numpy-row-major in a step": 0.7, "numpy-input-major in a step": 0.8,
+                  "mkl-input-major in a step": 1.1, "native": 0.6, "native in a step": 0.9})
+    layers = layers_of_two_shapes()
+    for m in layers:
+        m.in_native_layer = in_layers
+    with torch.inference_mode():
+        layers[0](torch.randn(1, 48))
+    threads = torch.get_num_threads()
+    way = PRODUCT_PATHS.choices()[f"one-row steps float32 {threads} threads"]
+    assert way == ("native layers" if in_layers else NUMPY)
+    if in_layers:
+        assert not PRODUCT_PATHS.lends_one_row(torch.float32, threads)
+        assert {PRODUCT_PATHS.path_for((*m.weight.shape, torch.float32, 0, threads)) for m in layers} == {NATIVE}
+        assert all(m.weight.is_contiguous() for m in layers)
 
 
 def test_torch_keeps_one_row_products_when_numpy_is_slower_in_total(clock):

@@ -92,6 +92,9 @@ class Linear(nn.Linear):
     """y = x W^T + b; on the CPU through MKL, the native kernel, numpy's BLAS or a oneDNN-packed W,
     whichever is fastest here or forced, on W laid out for it (see the module docstring)."""
 
+    # set by the model on the products of a layer that can run as native calls around them
+    # (DecoderLayer: ablate/model/native/layers.py), which the one-row timing weighs as such
+    in_native_layer: bool = False
     _packed: torch.Tensor | None = None
     _packed_key: tuple[int, int] | None = None
     _numpy_wt: np.ndarray | None = None
@@ -159,7 +162,7 @@ class Linear(nn.Linear):
             path = PRODUCT_PATHS.path_for(key) or self._faster_path(x, rows)
         PRODUCT_PATHS.keep(key, path)
         if rows == 0 and forced is not None:               # recorded: no timing decided it
-            PRODUCT_PATHS.keep_one_row(dtype, threads, PRODUCT_PATHS.lends_one_row(dtype, threads))
+            PRODUCT_PATHS.keep_one_row(dtype, threads, NUMPY if PRODUCT_PATHS.lends_one_row(dtype, threads) else "torch")
         return path
 
     def _shape_key(self) -> tuple:

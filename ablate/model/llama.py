@@ -135,6 +135,9 @@ class DecoderLayer(nn.Module):
         self.mlp_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.post_norms else None
         # Gemma 3: the windowed layers rotate by a RoPE base of their own
         self.local_rope = bool(cfg.rope_local_base) and cfg.layer_window(layer) is not None
+        if self.native_calls_fit():      # the one-row timing weighs its products as they would then run
+            for linear in (self.attn.wqkv, self.attn.wo, self.mlp.w_gate_up, self.mlp.w_down):
+                linear.in_native_layer = True
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:
         out = self.attn(self.attn_norm(x), rope, fwd)
@@ -142,18 +145,22 @@ class DecoderLayer(nn.Module):
         experts = (fwd.moe_experts,) if isinstance(self.mlp, MixtureOfExperts) else ()
         return fwd.dense(_mlp_residual, self, x, *experts)
 
+    def native_calls_fit(self) -> bool:
+        """Whether the layer is one the native calls compute: a plain Llama layer (no qk-norm, post-norms,
+        GeGLU, experts or latent attention, as a model variant left it)."""
+        attn, mlp = self.attn, self.mlp
+        return (type(attn) is SelfAttention and attn.q_norm is None and type(mlp) is SwiGLU and not mlp.gelu
+                and self.attn_post_norm is None and type(self.attn_norm) is RMSNorm and type(self.mlp_norm) is RMSNorm)
+
     def native_calls(self, dtype: torch.dtype, rows: int, threads: int) -> LayerCalls | None:
         """The layer's dense arithmetic as two native calls (ablate/model/native/layers.py) for fp32 rows of
         row class `rows`, or None where it must run eagerly: the calls are made only where the eager path
-        would run the same kernels, in the same order, so that the choice changes no bit of the output.
-        That is a plain Llama layer (no qk-norm, post-norms, GeGLU, experts or latent attention, as a
-        model variant left it) with each of its four products on the native path for this row class
-        (timed or forced: ablate/model/linear.py). The model checks the rest (LlamaModel.native_plan)."""
+        would run the same kernels, in the same order, so that the choice changes no bit of the output:
+        a layer they fit (native_calls_fit) with each of its four products on the native path for this
+        row class (timed or forced: ablate/model/linear.py). The model checks the rest
+        (LlamaModel.native_plan)."""
         attn, mlp = self.attn, self.mlp
-        if (type(attn) is not SelfAttention or attn.q_norm is not None or type(mlp) is not SwiGLU or mlp.gelu
-                or self.attn_post_norm is not None or type(self.attn_norm) is not RMSNorm
-                or type(self.mlp_norm) is not RMSNorm or self.attn_norm.weight.dtype != dtype
-                or self.mlp_norm.weight.dtype != dtype):
+        if not self.native_calls_fit() or self.attn_norm.weight.dtype != dtype or self.mlp_norm.weight.dtype != dtype:
             return None
         for linear in (attn.wqkv, attn.wo, mlp.w_gate_up, mlp.w_down):
             w = linear.weight

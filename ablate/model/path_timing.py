@@ -107,11 +107,15 @@ def settle(layers: list, seconds: dict[tuple[str, str], float]) -> tuple[str, st
 
 
 def choose_one_row(dtype: torch.dtype, threads: int) -> None:
-    """Every live shape's one-row path, timed together: numpy's BLAS for all of them (a one-row step
-    then lends it the cores: ablate/model/numpy_blas.py), or each the fastest of torch's paths. The two
-    cannot mix in one step, so the totals decide, each product followed by a step's small operations
-    (OPS_BETWEEN_PRODUCTS); numpy is timed as it would run, with torch on one thread. Each shape's
-    layout is the one its winning path was fastest on."""
+    """Every live shape's one-row path, timed together, one of three ways a one-row step can run
+    (ONE_ROW_WAYS): numpy's BLAS for all of them (a one-row step then lends it the cores:
+    ablate/model/numpy_blas.py); each the fastest of torch's paths; or the native kernel for all of
+    them, where the layers then run their dense arithmetic as native calls around the products
+    (ablate/model/native/layers.py). They cannot mix in one step, so the totals decide, each way timed
+    as a step runs it: a product run from Python is followed by a step's small operations
+    (OPS_BETWEEN_PRODUCTS), one inside a layer's native calls (Linear.in_native_layer) by none.
+    numpy is timed as it would run, with torch on one thread. Each shape's layout is the one its
+    winning path was fastest on."""
     shapes = {}                # one layer per shape: the timing runs through every live layer of it
     for m in PRODUCT_PATHS.layers():
         if m.weight.device.type == "cpu" and m.weight.dtype == dtype:
@@ -121,26 +125,39 @@ def choose_one_row(dtype: torch.dtype, threads: int) -> None:
         x = torch.randn(1, layer.in_features, dtype=dtype, device="cpu")
         pairs = candidates(dtype, 0, PRODUCT_PATHS.layout_for(layer._shape_key()))
         timed[layer] = (x, time_layouts(layer._same_shape(), x, pairs))
-    on_numpy = False
-    if dtype == torch.float32 and numpy_blas.blas_threads(threads):
-        in_step = {layer: time_layouts(layer._same_shape(), x, [min(seconds, key=seconds.get)], OPS_BETWEEN_PRODUCTS)
-                   for layer, (x, seconds) in timed.items()}       # torch's fastest path per shape, as in a step
-        time.sleep(0.01)       # torch's idle workers spin a while after their last parallel region
-        with numpy_blas.torch_threads(1):
-            for layer, (x, seconds) in timed.items():
-                layouts = dict.fromkeys(layout for layout, _ in seconds)
-                numpy = time_layouts(layer._same_shape(), x, [(layout, NUMPY) for layout in layouts],
-                                     OPS_BETWEEN_PRODUCTS)
-                in_step[layer] |= numpy
-                seconds |= numpy
-        best = {on: sum(min(s for (_, p), s in seconds.items() if (p == NUMPY) == on) for seconds in in_step.values())
-                for on in (True, False)}
-        on_numpy = best[True] < best[False]
-    PRODUCT_PATHS.keep_one_row(dtype, threads, on_numpy)
+    in_calls = {layer: all(m.in_native_layer for m in layer._same_shape()) for layer in timed}
+    native_layers = (any(in_calls.values()) and native_takes(dtype, 0)
+                     and all((ROW_MAJOR, NATIVE) in seconds for _, seconds in timed.values()))
+    on_numpy = dtype == torch.float32 and numpy_blas.blas_threads(threads)
+    way = "torch"
+    if native_layers or on_numpy:
+        # per way, per shape: the seconds of its products as a step runs them
+        in_step = {"torch": {layer: min(time_layouts(layer._same_shape(), x, [min(seconds, key=seconds.get)],
+                                                     OPS_BETWEEN_PRODUCTS).values())
+                             for layer, (x, seconds) in timed.items()}}
+        if native_layers:
+            in_step["native layers"] = {
+                layer: time_layouts(layer._same_shape(), x, [(ROW_MAJOR, NATIVE)],
+                                    0 if in_calls[layer] else OPS_BETWEEN_PRODUCTS)[ROW_MAJOR, NATIVE]
+                for layer, (x, _) in timed.items()}
+        if on_numpy:
+            time.sleep(0.01)       # torch's idle workers spin a while after their last parallel region
+            in_step[NUMPY] = {}
+            with numpy_blas.torch_threads(1):
+                for layer, (x, seconds) in timed.items():
+                    layouts = dict.fromkeys(layout for layout, _ in seconds)
+                    numpy = time_layouts(layer._same_shape(), x, [(layout, NUMPY) for layout in layouts],
+                                         OPS_BETWEEN_PRODUCTS)
+                    in_step[NUMPY][layer] = min(numpy.values())
+                    seconds |= numpy
+        way = min(in_step, key=lambda w: sum(in_step[w].values()))
+    PRODUCT_PATHS.keep_one_row(dtype, threads, way)
     for layer, (_, seconds) in timed.items():
-        if on_numpy:           # the layout numpy was fastest on; torch's path on it, for one-row products outside such a step
+        if way == NUMPY:       # the layout numpy was fastest on; torch's path on it, for one-row products outside such a step
             layout = min((pair for pair in seconds if pair[1] == NUMPY), key=seconds.get)[0]
             seconds = {pair: s for pair, s in seconds.items() if pair[0] == layout}
+        elif way == "native layers":
+            seconds = {(ROW_MAJOR, NATIVE): seconds[ROW_MAJOR, NATIVE]}
         torch_pairs = {pair: s for pair, s in seconds.items() if pair[1] != NUMPY}
         _, path = settle(layer._same_shape(), torch_pairs)
         PRODUCT_PATHS.keep((*layer.weight.shape, dtype, 0, threads), path)

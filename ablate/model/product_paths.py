@@ -40,6 +40,10 @@ STREAMED_CLASS = 1                           # row classes up to this one (<= 16
 ONE_ROW_PATHS = (NUMPY,)                     # paths of one-row products only
 STREAMED_PATHS = (NATIVE,)                   # paths of products of up to 16 rows only
 ROW_MAJOR, INPUT_MAJOR = "row-major", "input-major"   # how a weight is held: W, or W^T, contiguous
+# how a one-row step runs its products: lent to numpy's BLAS; each on torch's fastest path for its shape;
+# or every one on the native kernel, the layers' dense arithmetic in native calls around them
+# (ablate/model/native/layers.py), timed as such (path_timing.choose_one_row)
+ONE_ROW_WAYS = (NUMPY, "torch", "native layers")
 
 
 def row_class(rows: int) -> int:
@@ -81,7 +85,7 @@ class ProductPaths:
     def __init__(self) -> None:
         self._paths: dict[tuple, str] = {}                  # (d_out, d_in, dtype, row class, threads) -> path
         self._layouts: dict[tuple, str] = {}                # (d_out, d_in, dtype) -> ROW_MAJOR | INPUT_MAJOR
-        self._one_row: dict[tuple[torch.dtype, int], bool] = {}   # (dtype, threads) -> one-row steps on numpy
+        self._one_row: dict[tuple[torch.dtype, int], str] = {}    # (dtype, threads) -> how one-row steps run (ONE_ROW_WAYS)
         self._forced: dict[int, str] = {}                   # row class -> the path forced for it
         self._setting = "auto"                              # what force() was given, as the results say it
         self._timings = 0
@@ -102,8 +106,8 @@ class ProductPaths:
                  for (o, i, dtype, rows, threads), path in sorted(self._paths.items(), key=str)}
         layouts = {f"{o}x{i} {_name(dtype)} weights": layout
                    for (o, i, dtype), layout in sorted(self._layouts.items(), key=str)}
-        steps = {f"one-row steps {_name(dtype)} {threads} threads": NUMPY if on else "torch"
-                 for (dtype, threads), on in sorted(self._one_row.items(), key=str)}
+        steps = {f"one-row steps {_name(dtype)} {threads} threads": way
+                 for (dtype, threads), way in sorted(self._one_row.items(), key=str)}
         return paths | layouts | steps | {"native kernels": self.native.state(), "cpu_products": self._setting}
 
     @property
@@ -198,8 +202,9 @@ class ProductPaths:
     def forced_path(self, rows_class: int) -> str | None:
         return self._forced.get(rows_class)
 
-    def keep_one_row(self, dtype: torch.dtype, threads: int, on_numpy: bool) -> None:
-        self._one_row[dtype, threads] = on_numpy
+    def keep_one_row(self, dtype: torch.dtype, threads: int, way: str) -> None:
+        """How one-row steps of this dtype and thread count run: one of ONE_ROW_WAYS."""
+        self._one_row[dtype, threads] = way
 
     def one_row_known(self, dtype: torch.dtype, threads: int) -> bool:
         """Whether the one-row steps' path is settled: forced, or timed already (else linear.py times it)."""
@@ -210,7 +215,7 @@ class ProductPaths:
         forced = self._forced.get(0)
         if forced is not None:
             return forced == NUMPY and dtype == torch.float32
-        return self._one_row.get((dtype, threads), False)
+        return self._one_row.get((dtype, threads)) == NUMPY
 
     def timed(self) -> None:
         """Count one timing of the paths."""
@@ -236,7 +241,7 @@ class ProductPaths:
             return
         numpy_blas.blas_threads(threads)
         if 0 in self._forced:
-            self._one_row[weight.dtype, threads] = True         # for the listing: no timing recorded it
+            self._one_row[weight.dtype, threads] = NUMPY        # for the listing: no timing recorded it
         self.lent = threads
         try:
             with numpy_blas.torch_threads(1):

@@ -31,9 +31,12 @@ forces a path for its row class (then nothing is timed).
 - One-row products are chosen for every live shape at once (choose_one_row): numpy's BLAS runs on a
   thread pool of its own, which cannot share a step with torch's, so either every product of a
   one-row step goes to numpy (the step lends it the cores: ProductPaths.one_row_step), or each takes
-  the fastest of torch's paths. The totals decide, timed as a step runs: numpy lent the cores (torch
-  on one thread), on both layouts, and torch's fastest path per shape, each product followed by the
-  small operations a step runs before its next (path_timing.OPS_BETWEEN_PRODUCTS).
+  the fastest of torch's paths, or every one takes the native kernel, and the layers that can then
+  run their dense arithmetic as native calls around them (ablate/model/native/layers.py). The totals
+  decide, timed as a step runs: numpy lent the cores (torch on one thread), on both layouts, and
+  torch's fastest path per shape, each product followed by the small operations a step runs before
+  its next (path_timing.OPS_BETWEEN_PRODUCTS); the native kernel's products inside such layers
+  (in_native_layer) back to back, as the native calls run them.
 A oneDNN path that loses gives back the copies packed for its timing.
 
 What is recorded: PRODUCT_PATHS.choices() lists every kind's path, every shape's layout, whether

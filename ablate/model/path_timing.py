@@ -128,9 +128,9 @@ def choose_one_row(dtype: torch.dtype, threads: int) -> None:
     in_calls = {layer: all(m.in_native_layer for m in layer._same_shape()) for layer in timed}
     native_layers = (any(in_calls.values()) and native_takes(dtype, 0)
                      and all((ROW_MAJOR, NATIVE) in seconds for _, seconds in timed.values()))
-    on_numpy = dtype == torch.float32 and numpy_blas.blas_threads(threads)
+    numpy_runs = dtype == torch.float32 and numpy_blas.blas_threads(threads)
     way = "torch"
-    if native_layers or on_numpy:
+    if native_layers or numpy_runs:
         # per way, per shape: the seconds of its products as a step runs them
         in_step = {"torch": {layer: min(time_layouts(layer._same_shape(), x, [min(seconds, key=seconds.get)],
                                                      OPS_BETWEEN_PRODUCTS).values())
@@ -140,7 +140,7 @@ def choose_one_row(dtype: torch.dtype, threads: int) -> None:
                 layer: time_layouts(layer._same_shape(), x, [(ROW_MAJOR, NATIVE)],
                                     0 if in_calls[layer] else OPS_BETWEEN_PRODUCTS)[ROW_MAJOR, NATIVE]
                 for layer, (x, _) in timed.items()}
-        if on_numpy:
+        if numpy_runs:
             time.sleep(0.01)       # torch's idle workers spin a while after their last parallel region
             in_step[NUMPY] = {}
             with numpy_blas.torch_threads(1):

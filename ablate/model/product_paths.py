@@ -9,8 +9,9 @@ the layout the weights of a shape are held in (row-major or input-major), settle
 streamed kind of that shape. The object holds every piece of that state:
 
 - the choices made so far, listed for the results by `choices()` (environment.json's `linear_paths`);
-- whether one-row steps lend their products to numpy's BLAS, per (dtype, threads), and the threads
-  lent during such a step (`one_row_step`, around each step of the engine);
+- how one-row steps run, per (dtype, threads): lent to numpy's BLAS, on torch's paths, or on the
+  native kernel with the layers as native calls (ONE_ROW_WAYS), and the threads lent during a numpy
+  step (`one_row_step`, around each step of the engine);
 - what is forced: `force()` (the config's `cpu_products`; benchmarks/decode_profile.py per row class);
 - `timings`, the count of timings so far (each run's `path_timings` column);
 - the Linear layers alive, the population a timing runs over;
@@ -100,8 +101,9 @@ class ProductPaths:
 
     def choices(self) -> dict[str, str]:
         """The paths chosen in this process, for the results: "d_out x d_in dtype R rows threads" ->
-        path, "d_out x d_in dtype weights" -> the layout they are held in, whether one-row steps lend their products to numpy's BLAS, the native kernels' state
-        (built, not asked for, or why they are unavailable) and what was forced (cpu_products)."""
+        path, "d_out x d_in dtype weights" -> the layout they are held in, "one-row steps dtype threads"
+        -> how those steps run (ONE_ROW_WAYS), the native kernels' state (built, not asked for, or why
+        they are unavailable) and what was forced (cpu_products)."""
         paths = {f"{o}x{i} {_name(dtype)} {row_class_name(rows)} rows {threads} threads": path
                  for (o, i, dtype, rows, threads), path in sorted(self._paths.items(), key=str)}
         layouts = {f"{o}x{i} {_name(dtype)} weights": layout

@@ -49,7 +49,7 @@ from ablate.measure.recorder import Recorder, StepHook
 from ablate.model import native, numpy_blas
 from ablate.model.presets import preset
 from ablate.model.forward import Forward
-from ablate.model.llama import LlamaModel
+from ablate.model.native_plan import NativePlans
 from ablate.model.native.layers import LayerCalls
 from ablate.model.linear import Linear
 from ablate.model.product_paths import PRODUCT_PATHS
@@ -77,10 +77,10 @@ def force(way: str, chosen: dict) -> None:
 
 
 def layers_as_calls(on: bool):
-    """The layers' dense arithmetic as two native calls where they can run so (LlamaModel.native_plan), or
-    op by op from Python."""
-    return contextlib.nullcontext() if on else unittest.mock.patch.object(LlamaModel, "native_plan",
-                                                                          lambda self, x, fwd: None)
+    """The layers' dense arithmetic as two native calls where they can run so (ablate/model/native_plan.py),
+    or op by op from Python."""
+    return contextlib.nullcontext() if on else unittest.mock.patch.object(NativePlans, "for_step",
+                                                                          lambda self, layers, x, fwd: None)
 
 
 def native_kernels(on: bool):

@@ -10,6 +10,7 @@ from ablate.engine.runner import ModelRunner
 from ablate.model import native
 from ablate.model.llama import LlamaModel
 from ablate.model.native.layers import LayerCalls
+from ablate.model.native_plan import NativePlans
 from ablate.model.presets import preset
 from ablate.model.linear import Linear
 from ablate.model.product_paths import MKL, NATIVE, ROW_MAJOR
@@ -30,7 +31,7 @@ def run(registry, model: LlamaModel, arm: dict, batch: int, native_layers: bool 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ModelRunner, "_logits", lambda self, step: logits.append(eager_logits(self, step)) or logits[-1])
         if not native_layers:
-            mp.setattr(LlamaModel, "native_plan", lambda self, x, fwd: None)
+            mp.setattr(NativePlans, "for_step", lambda self, layers, x, fwd: None)
         built = build(registry, arm, model, EngineConfig(max_num_seqs=batch), 96)
         try:
             built.engine.run([Request(i, tuple(range(3 + i, 3 + i + n)), 10) for i, n in enumerate(PROMPTS[:batch])])
@@ -91,14 +92,14 @@ def test_the_plan_is_made_again_when_a_path_or_a_layout_changes(ablate_registry,
     assert counts["native_layers"] > 0
     model.layers[1].mlp.w_down.input_major()       # a layout the native calls cannot read, made between steps
     plans = []
-    plan_for = LlamaModel.native_plan
+    plan_for = NativePlans.for_step
 
-    def native_layers(model, x, fwd):        # per step: which layers run natively
-        plan = plan_for(model, x, fwd)
-        plans.append([False] * 2 if plan is None else [n is not None for n in plan[0]])
+    def native_layers(plans_, layers, x, fwd):        # per step: which layers run natively
+        plan = plan_for(plans_, layers, x, fwd)
+        plans.append([False] * 2 if plan is None else [n is not None for n in plan.layers])
         return plan
 
-    monkeypatch.setattr(LlamaModel, "native_plan", native_layers)
+    monkeypatch.setattr(NativePlans, "for_step", native_layers)
     got, _ = run(ablate_registry, model, ARMS["paged+paged"], 1)
     # the prefill; the first decode step, whose plan saw the layout (the layer's eager product lays its
     # weight out row-major again, as the native path reads it); then every layer native again
@@ -141,3 +142,33 @@ def test_native_calls_refuse_what_would_read_past_their_buffers():
         layer.check_step(torch.randn(3, d + 1), cos, cos, scratch)
     with pytest.raises(ValueError, match="attn"):       # what the attention plugin returned
         layer.out_mlp(x, q[:2], scratch)
+
+
+@pytest.mark.parametrize("where", ["layer", "attn", "attn.wqkv", "attn_norm", "mlp", "mlp.w_down", "every module"])
+def test_every_hook_sees_its_module_run_and_no_bit_changes(where, ablate_registry, fresh_product_paths):
+    """The layers are called as modules whichever path computes them: a hook on a layer sees it on
+    the native path; a hook on a module inside one (a norm, the attention, a product: calibration's)
+    sends that layer to the eager path, where its module is called; a global module hook, every layer.
+    Each hook runs in every step, and every logit keeps its bits."""
+    model = LlamaModel.random(preset("tiny"))
+    fresh_product_paths.force(NATIVE)
+    want, _ = run(ablate_registry, model, ARMS["paged+paged"], 1)
+    seen = []
+    hook = lambda module, args: seen.append(module) and None             # noqa: E731
+    if where == "every module":
+        handles = [torch.nn.modules.module.register_module_forward_pre_hook(hook)]
+    else:
+        handles = [model.layers[1].get_submodule(where.removeprefix("layer").lstrip(".")).register_forward_pre_hook(hook)]
+    try:
+        got, counts = run(ablate_registry, model, ARMS["paged+paged"], 1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    steps, layers = len(got), model.config.n_layers
+    expected_native = {"layer": (steps - 1) * layers, "every module": 0}.get(where, (steps - 1) * (layers - 1))
+    assert counts["native_layers"] == expected_native
+    if where != "every module":
+        assert len(seen) == steps
+    else:
+        assert {type(m).__name__ for m in seen} >= {"DecoderLayer", "SelfAttention", "Linear", "RMSNorm", "SwiGLU"}

@@ -7,7 +7,6 @@ batch 1 the CPU is bandwidth-bound and every extra kernel call costs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,17 +19,15 @@ from ablate.model.linear import Linear
 from ablate.model.mla import MultiHeadLatentAttention
 from ablate.model.deepseek_moe import DeepSeekExperts
 from ablate.model.hf_names import read_hf_weights
-from ablate.model.native.layers import LayerCalls
 from ablate.model.moe import MixtureOfExperts
-from ablate.model.product_paths import NATIVE, PRODUCT_PATHS, row_class
+from ablate.model.native_plan import NativePlans
 from ablate.model.rope import RotaryEmbedding, apply_rope, rotary_embedding
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from ablate.api.packing import LayerAttention
-
     from ablate.model.forward import Forward
+    from ablate.model.native_plan import NativeStep
 
 
 EMBEDDING_STD = 0.02    # random token embeddings (LlamaModel.random): a small share of the residual stream
@@ -139,56 +136,23 @@ class DecoderLayer(nn.Module):
             for linear in (self.attn.wqkv, self.attn.wo, self.mlp.w_gate_up, self.mlp.w_down):
                 linear.in_native_layer = True
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward,
+                native_step: NativeStep | None = None) -> torch.Tensor:
+        """native_step: the layer's two native calls for this step, where the model's plan runs it so
+        (ablate/model/native_plan.py); the layer is called as a module either way, so its hooks see it."""
+        if native_step is not None:
+            return native_step.forward(x, rope, fwd)
         out = self.attn(self.attn_norm(x), rope, fwd)
         x = x + (out if self.attn_post_norm is None else self.attn_post_norm(out))
         experts = (fwd.moe_experts,) if isinstance(self.mlp, MixtureOfExperts) else ()
         return fwd.dense(_mlp_residual, self, x, *experts)
 
     def native_calls_fit(self) -> bool:
-        """Whether the layer is one the native calls compute: a plain Llama layer (no qk-norm, post-norms,
-        GeGLU, experts or latent attention, as a model variant left it)."""
+        """Whether the layer is one the native calls compute (ablate/model/native_plan.py): a plain Llama
+        layer (no qk-norm, post-norms, GeGLU, experts or latent attention, as a model variant left it)."""
         attn, mlp = self.attn, self.mlp
         return (type(attn) is SelfAttention and attn.q_norm is None and type(mlp) is SwiGLU and not mlp.gelu
                 and self.attn_post_norm is None and type(self.attn_norm) is RMSNorm and type(self.mlp_norm) is RMSNorm)
-
-    def native_calls(self, dtype: torch.dtype, rows: int, threads: int) -> LayerCalls | None:
-        """The layer's dense arithmetic as two native calls (ablate/model/native/layers.py) for fp32 rows of
-        row class `rows`, or None where it must run eagerly: the calls are made only where the eager path
-        would run the same kernels, in the same order, so that the choice changes no bit of the output:
-        a layer they fit (native_calls_fit) with each of its four products on the native path for this
-        row class (timed or forced: ablate/model/linear.py). The model checks the rest
-        (LlamaModel.native_plan)."""
-        attn, mlp = self.attn, self.mlp
-        if not self.native_calls_fit() or self.attn_norm.weight.dtype != dtype or self.mlp_norm.weight.dtype != dtype:
-            return None
-        for linear in (attn.wqkv, attn.wo, mlp.w_gate_up, mlp.w_down):
-            w = linear.weight
-            if (type(linear) is not Linear or not w.is_contiguous() or (linear.bias is not None and linear is not attn.wqkv)
-                    or PRODUCT_PATHS.path_for((*w.shape, w.dtype, rows, threads)) != NATIVE):
-                return None
-        return LayerCalls(self.attn_norm.weight, self.attn_norm.eps, attn.wqkv.weight, attn.wqkv.bias, attn.wo.weight,
-                          self.mlp_norm.weight, self.mlp_norm.eps, mlp.w_gate_up.weight, mlp.w_down.weight,
-                          attn.n_heads, attn.n_kv_heads, attn.head_dim, threads)
-
-
-@dataclass(frozen=True)
-class NativeLayer:
-    """A layer of a native plan (LlamaModel.native_plan): its two calls, and what its slots are given."""
-    calls: LayerCalls
-    index: int                          # the layer's index, for the cache and the attention
-    features: LayerAttention | None     # its window or soft cap, for the attention
-    local_rope: bool                    # Gemma 3's windowed layers rotate by their own RoPE
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd: Forward,
-                scratch: torch.Tensor, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """DecoderLayer.forward's result, its x (T, d) written over: the two calls around the arm's cache
-        and attention. qkv: the step's q, k, v for this layer (LayerCalls.outputs)."""
-        self.calls.qkv(x, *rope, scratch, qkv)
-        q, k, v = qkv
-        out = fwd.attend(self.index, q, fwd.store(self.index, k, v), self.features)       # (T, H, D)
-        fwd.native_layers += 1
-        return self.calls.out_mlp(x, out, scratch)
 
 
 def _ropes(cfg: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
@@ -223,7 +187,7 @@ class LlamaModel(nn.Module):
         if cfg.tied_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope, self.rope_local = _ropes(cfg)
-        self._native_plans: dict[tuple, tuple | None] = {}     # native_plan's plans, by what they depend on
+        self.native_plans = NativePlans()      # which layers of a step run as native calls
 
     @torch.inference_mode()
     def forward(self, fwd: Forward) -> torch.Tensor:
@@ -233,52 +197,14 @@ class LlamaModel(nn.Module):
             x = x * float(torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype, device="cpu"))
         rope = self.rope.tables(fwd.step.positions, x.dtype)
         local = self.rope_local.tables(fwd.step.positions, x.dtype) if self.rope_local is not None else rope
-        plan = self.native_plan(x, fwd)
-        if plan is None:
-            for layer in self.layers:
-                x = layer(x, local if layer.local_rope else rope, fwd)
-            return self.norm(x)
-        layers, widest = plan
-        # the native calls take whole tensors, write each layer's output over x, and share one scratch
-        x, rope, local = x.contiguous(), tuple(t.contiguous() for t in rope), tuple(t.contiguous() for t in local)
-        scratch = torch.empty(x.shape[0] * widest.scratch_floats, dtype=x.dtype)
-        widest.check_step(x, *rope, scratch)
-        widest.check_step(x, *local, scratch)
-        outputs = [None if n is None else n.calls.outputs(x.shape[0]) for n in layers]   # before the first product
-        for layer, native_layer, qkv in zip(self.layers, layers, outputs):
-            if native_layer is None:
-                x = layer(x, local if layer.local_rope else rope, fwd)
-            else:
-                x = native_layer.forward(x, local if native_layer.local_rope else rope, fwd, scratch, qkv)
+        plan = self.native_plans.for_step(self.layers, x, fwd)
+        steps = [None] * len(self.layers)
+        if plan is not None:      # the native calls take whole tensors and write each layer's output over x
+            x, rope, local = x.contiguous(), tuple(t.contiguous() for t in rope), tuple(t.contiguous() for t in local)
+            steps = plan.step(x, rope, local)
+        for layer, native_step in zip(self.layers, steps):
+            x = layer(x, local if layer.local_rope else rope, fwd, native_step)
         return self.norm(x)
-
-    def native_plan(self, x: torch.Tensor, fwd: Forward) -> tuple[list[NativeLayer | None], LayerCalls] | None:
-        """Which layers of this step run as two native calls (DecoderLayer.native_calls; None: eagerly),
-        and the calls needing the most scratch (whose check_step covers them all); None where none does: under torch.compile
-        (engine.graphs), past native.SMALL_ROWS rows, in a one-row step lent to numpy's BLAS (whose
-        products are not native), or where no layer can.
-
-        A plan is made once and kept until a product's path, a weight's layout or what is forced
-        changes (PRODUCT_PATHS.generation). Checked in each layer between its products, as first
-        written, the same Python took 60 us a layer on an AVX2 EPYC, on caches the weights had just
-        emptied: a sixth of the step (docs/cpu-products.md). A weight replaced in a module without
-        either (`linear.weight = ...`) is not seen until then: the plan holds the old one."""
-        if fwd.compile or x.shape[0] > native.SMALL_ROWS or not native.takes(x) or PRODUCT_PATHS.lent is not None:
-            return None
-        threads, rows = torch.get_num_threads(), row_class(x.shape[0])
-        key = (PRODUCT_PATHS.generation, x.dtype, rows, threads, len(self.layers))
-        if key not in self._native_plans:
-            layers = []
-            for i, layer in enumerate(self.layers):
-                calls = layer.native_calls(x.dtype, rows, threads)
-                layers.append(None if calls is None else NativeLayer(calls, i, layer.attn.features, layer.local_rope))
-            calls = [n.calls for n in layers if n is not None]
-            widest = max(calls, key=lambda c: c.scratch_floats, default=None)
-            # one check a step covers every layer: they take x, the RoPE tables and the scratch alike
-            same = all((c.d, c.dim, c.dtype) == (widest.d, widest.dim, widest.dtype) for c in calls)
-            plan = (layers, widest) if calls and same else None
-            self._native_plans = {k: v for k, v in self._native_plans.items() if k[0] == key[0]} | {key: plan}
-        return self._native_plans[key]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,7 @@ streamed kind of that shape. The object holds every piece of that state:
 - the Linear layers alive, the population a timing runs over;
 - the native kernels' library (`native`: its state in the listing; `without_native()`).
 
-`reset()` forgets every choice (the next products are timed again); `snapshot()` and `restore()`
-keep and bring back the whole state.
+`reset()` forgets every choice; `snapshot()` and `restore()` keep and bring back the whole state.
 """
 from __future__ import annotations
 
@@ -92,9 +91,7 @@ class ProductPaths:
         self._timings = 0
         self._layers: weakref.WeakSet = weakref.WeakSet()
         self.lent: int | None = None                        # torch's threads while a one-row step lends them
-        # bumped by every change of a path, a layout or what is forced: what was derived from them
-        # (LlamaModel.native_threads' plan) is derived again
-        self.generation = 0
+        self.generation = 0    # bumped by every change (changed()): the native plans are made again
         self.native = native.LIBRARY
 
     # -- the public API ------------------------------------------------------------------------------
@@ -118,14 +115,12 @@ class ProductPaths:
         return self._setting
 
     def force(self, how: str | Mapping[str, str] | None) -> None:
-        """Force products onto a path: `how` is "auto" (or None: every kind timed), a path (every
-        product it can take: mkl and onednn every row class, numpy one-row products, native products of
-        up to 16 rows), or
-        {row class name: path} ({"1": "native", "2-16": "onednn"}; classes not named are timed). A
-        forced path takes the products it can run (oneDNN: a dtype it packs; native: fp32 and bf16; numpy: fp32
-        one-row steps); the others are timed as under auto. The choices the change affects are
-        forgotten. A ValueError names what is wrong: an unknown path or row class, or a path that
-        cannot run in this process (no native kernels, numpy's BLAS not bound to torch's threads...)."""
+        """Force products onto a path: `how` is "auto" (or None: every kind timed), a path (every row
+        class it takes: numpy one row, native up to 16, the others all), or {row class name: path}
+        ({"1": "native", "2-16": "onednn"}; classes not named are timed). A forced path takes the
+        products it can run (oneDNN: a dtype it packs; native: fp32 and bf16; numpy: fp32 one-row
+        steps); the others are timed as under auto. The choices the change affects are forgotten. A
+        ValueError names what is wrong: an unknown path or row class, or one that cannot run here."""
         forced, setting = self._parse(how)
         for path in sorted(set(forced.values())):
             if (why := self._unavailable(path)) is not None:
@@ -170,9 +165,7 @@ class ProductPaths:
         self._layers = weakref.WeakSet(saved.layers)
         self.changed()
 
-    def without_native(self, reason: str):
-        """A block in which the native kernels are unavailable (`reason` says why): products, norms and
-        attention take torch's paths, as where no compiler builds them."""
+    def without_native(self, reason: str):    # a block with the native kernels off, as where none can be built
         return self.native.switched_off(reason)
 
     # -- for ablate/model/linear.py ------------------------------------------------------------------
@@ -219,8 +212,7 @@ class ProductPaths:
             return forced == NUMPY and dtype == torch.float32
         return self._one_row.get((dtype, threads)) == NUMPY
 
-    def timed(self) -> None:
-        """Count one timing of the paths."""
+    def timed(self) -> None:                # one timing of the paths more
         self._timings += 1
 
     def add_layer(self, layer) -> None:

@@ -5,8 +5,8 @@ between the two. The calls run the kernels the layer's eager path runs (steps.c)
 give the same bits: what they save is the Python between the products.
 
 A LayerCalls binds one layer's weights once (checked, and held, so that their pointers stay valid);
-each call then passes only the step's own tensors. The caller (ablate/model/llama.py) makes them only
-where the eager path would run these kernels: fp32 on the CPU, every product of the layer on the
+each call then passes only the step's own tensors. The caller (ablate/model/native_plan.py) makes them
+only where the eager path would run these kernels: fp32 on the CPU, every product of the layer on the
 native path for its row count, and makes them again whenever a path or a layout changes.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ class LayerCalls:
         the cache may keep k and v. Made before the step's first product: made between two products,
         the same Python took 40 us a layer on the caches the weights had emptied."""
         heads, kv_heads, dim = self.heads, self.kv_heads, self.dim
-        q, k, v = torch.empty(t * self.width, dtype=self.dtype).split((t * heads * dim, t * kv_heads * dim,
+        q, k, v = torch.empty(t * self.width, dtype=self.dtype, device="cpu").split((t * heads * dim, t * kv_heads * dim,
                                                                        t * kv_heads * dim))
         return q.view(t, heads, dim), k.view(t, kv_heads, dim), v.view(t, kv_heads, dim)
 

@@ -85,17 +85,18 @@ class NativeStep(NamedTuple):
 @dataclass(frozen=True)
 class NativePlan:
     layers: tuple[NativeLayer | None, ...]    # per decoder layer; None: it runs eagerly
-    widest: LayerCalls                        # the calls needing the most scratch: its check covers them all
+    widest: LayerCalls        # the calls needing the most scratch: its checks and outputs serve them all
 
     def step(self, x: torch.Tensor, rope: Rope, local: Rope) -> list[NativeStep | None]:
         """Each layer's calls for this step: x (T, d), the RoPE tables (T, 1, D) of the full and the
-        windowed layers, all contiguous; every layer's q, k, v made before the first product (made
-        between two products, the same Python took 40 us a layer on the caches the weights had emptied)."""
+        windowed layers, all contiguous; every layer's q, k, v made at once, before the first product
+        (LayerCalls.outputs)."""
         scratch = torch.empty(x.shape[0] * self.widest.scratch_floats, dtype=x.dtype, device=x.device)
         self.widest.check_step(x, *rope, scratch)
         self.widest.check_step(x, *local, scratch)
-        return [None if n is None or any(n.hooks) else NativeStep(n, scratch, n.calls.outputs(x.shape[0]))
-                for n in self.layers]
+        outputs = iter(self.widest.outputs(x.shape[0], len(self.layers)))
+        return [None if n is None or any(n.hooks) else NativeStep(n, scratch, qkv)
+                for n, qkv in zip(self.layers, outputs)]
 
 
 class NativePlans:
@@ -125,7 +126,10 @@ def _plan(decoder_layers: nn.ModuleList, dtype: torch.dtype, rows: int, threads:
         hooks = tuple(h for m in layer.modules() if m is not layer for h in (m._forward_pre_hooks, m._forward_hooks))
         layers.append(None if calls is None else NativeLayer(calls, i, layer.attn.features, hooks))
     calls = [n.calls for n in layers if n is not None]
-    widest = max(calls, key=lambda c: c.scratch_floats, default=None)
-    # one check a step covers every layer: they take x, the RoPE tables and the scratch alike
-    same = all((c.d, c.dim, c.dtype) == (widest.d, widest.dim, widest.dtype) for c in calls)
-    return NativePlan(tuple(layers), widest) if calls and same else None
+    if not calls:
+        return None
+    widest = max(calls, key=lambda c: c.scratch_floats)
+    # one check and one allocation a step serve every layer: they take x, the RoPE tables, the scratch
+    # and q, k, v alike
+    same = len({(c.d, c.heads, c.kv_heads, c.dim, c.dtype) for c in calls}) == 1
+    return NativePlan(tuple(layers), widest) if same else None

@@ -36,14 +36,18 @@ def paged_decode_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return None
 
 
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous int32, itself where it is (each cast or copy asked for costs a dispatch, ~1 us)."""
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, threads: int, sm_scale: float | None = None) -> torch.Tensor:
     """One query per sequence over its blocks, read in place -> (B, H, D). q (B, H, D) fp32; caches
     (num_blocks, block_size, H_kv, D) fp32; block_tables (B, max_blocks) and context_lens (B) int32.
     The caller has checked paged_decode_problem()."""
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
+    tables, lens = _int32(block_tables), _int32(context_lens)
     batch, heads, dim = q.shape
     out = torch.empty_like(q)
     scale = dim ** -0.5 if sm_scale is None else sm_scale

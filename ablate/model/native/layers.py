@@ -45,14 +45,14 @@ class LayerCalls:
         self.threads = threads
         self.scratch_floats = max(d + self.width, 2 * d + 3 * f)    # per row, for either call
 
-    def outputs(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """New q (T, H, D), k and v (T, H_kv, D) for qkv to write, in one allocation: new each step, as
-        the cache may keep k and v. Made before the step's first product: made between two products,
-        the same Python took 40 us a layer on the caches the weights had emptied."""
-        heads, kv_heads, dim = self.heads, self.kv_heads, self.dim
-        q, k, v = torch.empty(t * self.width, dtype=self.dtype, device="cpu").split((t * heads * dim, t * kv_heads * dim,
-                                                                       t * kv_heads * dim))
-        return q.view(t, heads, dim), k.view(t, kv_heads, dim), v.view(t, kv_heads, dim)
+    def outputs(self, t: int, layers: int = 1) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """New q (T, H, D), k and v (T, H_kv, D) for qkv to write, for `layers` layers of this shape, in
+        three allocations: new each step, as the cache may keep k and v. Made for the whole step before
+        its first product: made a layer at a time between two products, the same Python took 40 us a
+        layer on the caches the weights had emptied."""
+        q, k, v = (torch.empty(layers, t, heads, self.dim, dtype=self.dtype, device="cpu").unbind(0)
+                   for heads in (self.heads, self.kv_heads, self.kv_heads))
+        return list(zip(q, k, v))
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scratch: torch.Tensor,
             out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:

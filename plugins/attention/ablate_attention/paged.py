@@ -189,6 +189,7 @@ class PagedAttention(Attention):
                        "gather instead, recorded as backend 'torch'")
         self.backends: dict[str, str] = {}    # kind of step (decode, prefill) -> implementation that ran
         self._problems: dict[tuple, str | None] = {}    # what _step_problem found, per kind of inputs
+        self._decided = f"paged/decode_kernel/{id(self)}"      # a step's memo of the kernel its layers take
 
     @property
     def backend(self) -> str:
@@ -202,34 +203,41 @@ class PagedAttention(Attention):
 
     def __call__(self, q: torch.Tensor, view: KVView, step: StepInputs,
                  layer: LayerAttention | None = None) -> torch.Tensor:
-        kind = "decode" if step.is_decode else "prefill"
-        if layer is not None:    # the decode kernels have no window or soft-cap: the gather's mask does it
-            self.backends.setdefault(f"{kind}:{'+'.join(sorted(layer.features))}", "torch")
-            return gathered_attention(q, view, step, layer)
         # K/V the model built from the cached rows itself (MLA's explicit path up-projects its latents
-        # into a PaddedKV) have no block tables to walk: the generic gather reads any view
-        kernel_reads_view = self.decode_kernel != "torch" and isinstance(view, PagedKV)
-        if kernel_reads_view and not step.is_decode:
+        # into a PaddedKV) have no block tables to walk: the generic gather reads any view; nor do the
+        # kernels take a window or soft-capped scores: the gather's mask does
+        if layer is None and isinstance(view, PagedKV) and self.decode_kernel != "torch":
+            if step.is_decode:    # the step's first layer decides for all: a decode step runs 30 of these a token
+                kernel = step.memo(self._decided, lambda: self._decode_kernel(q, view, step))
+                return self._timed(q, view, step) if kernel is None else self._run(kernel, q, view, step)
             parts = step.memo("paged/one_query_and_rest", lambda: one_query_and_rest(step))
             if parts is not None:
                 return self._mixed(q, view, parts)
-        if not (step.is_decode and kernel_reads_view):
-            self.backends.setdefault(kind, "torch")
-            return gathered_attention(q, view, step)
+        kind = "decode" if step.is_decode else "prefill"
+        self.backends.setdefault(kind if layer is None else f"{kind}:{'+'.join(sorted(layer.features))}", "torch")
+        return gathered_attention(q, view, step, layer)
+
+    def _decode_kernel(self, q: torch.Tensor, view: PagedKV, step: StepInputs) -> str | None:
+        """The kernel of a decode step's layers ("torch": the gather), or None while backend=auto has not
+        timed this kind of step yet: that step's layers go through _timed, whose first times it."""
         why = self._step_problem(q, view)
         if why is not None and self.forced:    # the build-time check covers the model; this is a surprise
             raise ValueError(f"attention=paged backend={self.decode_kernel}: the paged-decode kernel cannot take "
                              f"this step: {why}; use attention.backend=auto or torch")
         if why is not None:
-            self.backends[kind] = f"torch({why})"
+            self.backends["decode"] = f"torch({why})"
             _warn_once(why, f"attention=paged: {why}, which the {self.decode_kernel} paged-decode kernel does not "
                             "take; decode steps use the PyTorch block-table gather instead, recorded as backend "
                             "'torch(<why>)'")
-            return gathered_attention(q, view, step)
-        if self.candidates:
-            return self._timed(q, view, step)
-        self.backends[kind] = self._label(self.decode_kernel)
-        return self._run(self.decode_kernel, q, view, step)
+            return "torch"
+        if not self.candidates:
+            self.backends["decode"] = self._label(self.decode_kernel)
+            return self.decode_kernel
+        key = step.memo("paged_decode_key", lambda: decode_timing.decode_key(q, view.k_cache, step.kv_lens))
+        choice = decode_timing.choice_for(key)
+        if choice is not None:
+            self.chosen.setdefault(key, choice)
+        return None if choice is None else choice.kernel
 
     def _mixed(self, q: torch.Tensor, view: PagedKV, parts: list[tuple[torch.Tensor, StepInputs]]) -> torch.Tensor:
         """A step where decoding sequences run beside prompts (continuous batching's mixed steps): the

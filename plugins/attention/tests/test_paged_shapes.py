@@ -83,7 +83,7 @@ def test_backend_triton_refuses_a_step_it_cannot_take(ablate_registry, ablate_ti
     _, attention = run(ablate_registry, ablate_tiny_model, paged("torch"))         # built without the check
     attention.decode_kernel, attention.forced = "triton", True
     q, cache = torch.zeros(1, 4, 24), torch.zeros(2, 4, 2, 24)                       # head_dim 24
-    step = SimpleNamespace(is_decode=True)
+    step = SimpleNamespace(is_decode=True, memo=lambda key, make: make())      # what the check reads of a step
     with pytest.raises(ValueError, match="backend=triton: the paged-decode kernel cannot take this step: head_dim 24"):
         attention(q, PagedKV(cache, cache, torch.zeros(1, 1, dtype=torch.int32)), step)
 

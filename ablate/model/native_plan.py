@@ -62,24 +62,23 @@ class NativeLayer:
     features: LayerAttention | None     # its window or soft cap, for the attention
     hooks: tuple[dict, ...]             # the forward (pre-)hooks of the modules inside it, as torch holds them
 
-    def forward(self, x: torch.Tensor, rope: Rope, fwd: Forward, scratch: torch.Tensor, qkv: QKV) -> torch.Tensor:
-        """DecoderLayer.forward's result, its x (T, d) written over: the two calls around the arm's cache
-        and attention. qkv: the step's q, k, v for this layer (LayerCalls.outputs)."""
-        self.calls.qkv(x, *rope, scratch, qkv)
-        q, k, v = qkv
-        out = fwd.attend(self.index, q, fwd.store(self.index, k, v), self.features)       # (T, H, D)
-        fwd.native_layers += 1
-        return self.calls.out_mlp(x, out, scratch)
-
 
 class NativeStep(NamedTuple):
-    """A layer's native calls in one step, given to DecoderLayer.forward."""
+    """A layer's native calls in one step, given to DecoderLayer.forward: the step's scratch, and its
+    q, k, v for this layer (LayerCalls.outputs)."""
     layer: NativeLayer
     scratch: torch.Tensor
     qkv: QKV
 
     def forward(self, x: torch.Tensor, rope: Rope, fwd: Forward) -> torch.Tensor:
-        return self.layer.forward(x, rope, fwd, self.scratch, self.qkv)
+        """DecoderLayer.forward's result, its x (T, d) written over: the two calls around the arm's cache
+        and attention."""
+        calls, index = self.layer.calls, self.layer.index
+        calls.qkv(x, *rope, self.scratch, self.qkv)
+        q, k, v = self.qkv
+        out = fwd.attend(index, q, fwd.store(index, k, v), self.layer.features)       # (T, H, D)
+        fwd.native_layers += 1
+        return calls.out_mlp(x, out, self.scratch)
 
 
 @dataclass(frozen=True)

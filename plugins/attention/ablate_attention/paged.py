@@ -233,11 +233,17 @@ class PagedAttention(Attention):
         if not self.candidates:
             self.backends["decode"] = self._label(self.decode_kernel)
             return self.decode_kernel
+        choice = self._choice(q, view, step)
+        return None if choice is None else choice.kernel
+
+    def _choice(self, q: torch.Tensor, view: PagedKV, step: StepInputs) -> decode_timing.DecodeChoice | None:
+        """backend=auto: the choice made for this kind of decode step in the process (kept as this arm's
+        too), or None while none is."""
         key = step.memo("paged_decode_key", lambda: decode_timing.decode_key(q, view.k_cache, step.kv_lens))
         choice = decode_timing.choice_for(key)
         if choice is not None:
             self.chosen.setdefault(key, choice)
-        return None if choice is None else choice.kernel
+        return choice
 
     def _mixed(self, q: torch.Tensor, view: PagedKV, parts: list[tuple[torch.Tensor, StepInputs]]) -> torch.Tensor:
         """A step where decoding sequences run beside prompts (continuous batching's mixed steps): the
@@ -270,18 +276,17 @@ class PagedAttention(Attention):
     def _timed(self, q: torch.Tensor, view: PagedKV, step: StepInputs) -> torch.Tensor:
         """backend=auto: the kernel chosen for this kind of step; the first step of a kind in the process
         times the candidates on its own inputs (decode_timing) and returns the winner's output."""
+        choice = self._choice(q, view, step)
+        if choice is not None:            # timed since this step's first layer asked
+            return self._run(choice.kernel, q, view, step)
+        if not decode_timing.can_time(q.device):     # inside a CUDA graph's capture: the default, unrecorded
+            self.backends.setdefault("decode", self._label(self.decode_kernel))
+            return self._run(self.decode_kernel, q, view, step)
+        self.decode_timings += 1
+        runs = {name: functools.partial(self._run, name, q, view, step) for name in self.candidates}
         key = step.memo("paged_decode_key", lambda: decode_timing.decode_key(q, view.k_cache, step.kv_lens))
-        choice = decode_timing.choice_for(key)
-        if choice is None:
-            if not decode_timing.can_time(q.device):     # inside a CUDA graph's capture: the default, unrecorded
-                self.backends.setdefault("decode", self._label(self.decode_kernel))
-                return self._run(self.decode_kernel, q, view, step)
-            self.decode_timings += 1
-            runs = {name: functools.partial(self._run, name, q, view, step) for name in self.candidates}
-            self.chosen[key], out = decode_timing.time_decode(key, runs, q.device)
-            return out
-        self.chosen.setdefault(key, choice)
-        return self._run(choice.kernel, q, view, step)
+        self.chosen[key], out = decode_timing.time_decode(key, runs, q.device)
+        return out
 
     def _step_problem(self, q: torch.Tensor, view: PagedKV) -> str | None:
         """Why the decode kernel cannot take this step, or None: checked once per kind of inputs (every

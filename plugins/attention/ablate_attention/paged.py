@@ -218,8 +218,7 @@ class PagedAttention(Attention):
         return gathered_attention(q, view, step, layer)
 
     def _decode_kernel(self, q: torch.Tensor, view: PagedKV, step: StepInputs) -> str | None:
-        """The kernel of a decode step's layers ("torch": the gather), or None while backend=auto has not
-        timed this kind of step yet: that step's layers go through _timed, whose first times it."""
+        """The kernel of a decode step's layers ("torch": the gather); None: not timed yet (_timed times it)."""
         why = self._step_problem(q, view)
         if why is not None and self.forced:    # the build-time check covers the model; this is a surprise
             raise ValueError(f"attention=paged backend={self.decode_kernel}: the paged-decode kernel cannot take "
@@ -237,8 +236,7 @@ class PagedAttention(Attention):
         return None if choice is None else choice.kernel
 
     def _choice(self, q: torch.Tensor, view: PagedKV, step: StepInputs) -> decode_timing.DecodeChoice | None:
-        """backend=auto: the choice made for this kind of decode step in the process (kept as this arm's
-        too), or None while none is."""
+        """backend=auto: the process's choice for this kind of decode step (now this arm's too), or None."""
         key = step.memo("paged_decode_key", lambda: decode_timing.decode_key(q, view.k_cache, step.kv_lens))
         choice = decode_timing.choice_for(key)
         if choice is not None:

@@ -88,6 +88,13 @@ class Attention(Plugin):
         """q (T, H, D) packed queries -> (T, H, D_v) in q's dtype. A plugin declaring `features` takes a
         fourth argument, `layer: LayerAttention | None = None`."""
 
+    def native_paged_decode(self, step: StepInputs) -> bool:
+        """True where this decode step's plain layers, over a PagedKV, run exactly ablate.api.native's
+        paged_decode_attention (the scale 1 / sqrt(D), torch's threads), as chosen by a layer of the
+        step that has already called the plugin: a layer may then run that kernel itself, inside a
+        native call (ablate/model/native_plan.py). False (the default): every layer calls the plugin."""
+        return False
+
 
 class Scheduler(Plugin):
     """Which sequences run each step, and how many new tokens each feeds (the policy).

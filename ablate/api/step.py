@@ -119,6 +119,10 @@ class StepInputs:
             self._memo[key] = make()
         return self._memo[key]
 
+    def memoized(self, key: str):
+        """What memo(key, ...) keeps for this step, or None where no layer has asked for it yet."""
+        return self._memo.get(key)
+
     def part(self, seq_indices: list[int]) -> StepInputs:
         """The step restricted to the sequences at `seq_indices` (in that order), for an attention plugin
         that sends kinds of sequences through different kernels (one-query rows through a decode

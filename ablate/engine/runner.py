@@ -47,7 +47,7 @@ class ModelRunner:
                        if self.graph_mode == "cuda-graphs" else None)
         self.step_counts = {True: 0, False: 0}      # compile mode: steps run compiled, and not
         # decoder-layer passes run as two native calls (ablate/model/native/layers.py), and eagerly
-        self.layer_passes = {"native": 0, "eager": 0}
+        self.layer_passes = {"native": 0, "one_call": 0, "eager": 0}
         self.decoding_name = decoding_name          # who passes draft tokens, for error messages
         self.logits_checked = False                 # the first logits are checked once for NaN/inf
 
@@ -133,6 +133,7 @@ class ModelRunner:
             hidden = self.model(fwd)                                                                # (T, d)
             logits = self.model.logits(hidden.index_select(0, step.logits_indices))                 # (N, V)
         self.layer_passes["native"] += fwd.native_layers
+        self.layer_passes["one_call"] += fwd.one_call_layers
         self.layer_passes["eager"] += len(self.model.layers) - fwd.native_layers
         return logits
 
@@ -149,8 +150,10 @@ class ModelRunner:
                 "graph_eager_steps": self.step_counts[False] if compiled else 0, "graph_capture_s": 0.0}
 
     def layer_stats(self) -> dict[str, int]:
-        """The decoder-layer passes that ran as two native calls (native_layers) and eagerly (eager_layers)."""
-        return {"native_layers": self.layer_passes["native"], "eager_layers": self.layer_passes["eager"]}
+        """The decoder-layer passes that ran as native calls (native_layers; of those, one_call_layers with
+        the cache's write and the attention inside a single call) and eagerly (eager_layers)."""
+        return {"native_layers": self.layer_passes["native"], "one_call_layers": self.layer_passes["one_call"],
+                "eager_layers": self.layer_passes["eager"]}
 
     def experts_stats(self) -> dict[str, str]:
         """How the experts ran: engine.moe_experts for a mixture of experts, "dense" for a model without."""

@@ -26,7 +26,8 @@ MEDIAN_COLUMNS = (
 # counts over the timed rounds, summed: tuning inside them (Triton compiles, product-path timings, graph
 # captures and their seconds) and how the decode steps ran (engine.graphs; layers as native calls)
 SUMMED_COLUMNS = ("kernel_compiles", "path_timings", "engine.graph_captures", "engine.graph_capture_s",
-                  "engine.graph_replays", "engine.graph_eager_steps", "engine.native_layers", "engine.eager_layers")
+                  "engine.graph_replays", "engine.graph_eager_steps", "engine.native_layers", "engine.one_call_layers",
+                  "engine.eager_layers")
 # an arm's status over its rounds: the worst one counts (noisy: too few rounds on an uncontended CPU;
 # degraded: lost quality, ablate.experiment.quality_guard; skipped: an outside engine not installed)
 STATUS_ORDER = ("ok", "noisy", "degraded", "diverged", "failed", "skipped")

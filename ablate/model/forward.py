@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ablate.api.kv import KVView, view_problem
+from ablate.api.kv import KVView, PagedKV, view_problem
 from ablate.api.kv_cache import KVCache
 from ablate.api.packing import LayerAttention
 from ablate.api.plugin import PluginError
@@ -43,7 +43,8 @@ class Forward:
     checked_layer: int = 0      # the layer whose view and output shapes are checked
     compile: bool = False       # the layers' dense arithmetic through torch.compile (engine.graphs on a CPU)
     moe_experts: str = "loop"   # how a mixture of experts computes its experts (engine.moe_experts: ablate/model/moe.py)
-    native_layers: int = 0      # layers that ran as two native calls (ablate/model/native/layers.py)
+    native_layers: int = 0      # layers that ran as native calls (ablate/model/native/layers.py)
+    one_call_layers: int = 0    # of those, layers whose cache write and attention ran inside one call
 
     def dense(self, fn, *args):
         """fn(*args): a layer's arithmetic between the slots (projections, norms, MLP), compiled when
@@ -88,3 +89,22 @@ class Forward:
             raise PluginError(self.attention, "__call__", f"returned {tuple(out.shape)} {out.dtype} for queries "
                               f"{tuple(q.shape)} {q.dtype}: expected (T, H, D_v) in the queries' dtype")
         return out
+
+    def paged_places(self) -> list[tuple[PagedKV, torch.Tensor]] | None:
+        """Per layer, where this decode step's K/V rows go and are read (KVCache.paged_slots), where the
+        arm's attention runs the native paged kernel for the step (Attention.native_paged_decode): a
+        native layer may then write and read them itself. None: every layer calls the slots. Asked by a
+        layer after one that called the attention (ablate/model/native_plan.py)."""
+        if not _asked(self.attention, "native_paged_decode", self.step):
+            return None
+        return _asked(self.kv_cache, "paged_slots", self.step)
+
+
+def _asked(plugin, method: str, *args):
+    """plugin.method(*args), a failure inside it reported as the plugin's (PluginError)."""
+    try:
+        return getattr(plugin, method)(*args)
+    except PluginError:
+        raise
+    except (Exception, SystemExit) as err:    # sys.exit in a plugin fails its arm only
+        raise PluginError(plugin, method, f"{type(err).__name__}: {err}") from err

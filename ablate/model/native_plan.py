@@ -25,7 +25,7 @@ from torch.nn.modules import module as nn_module
 
 from ablate.model import native
 from ablate.model.linear import Linear
-from ablate.model.native.layers import LayerCalls
+from ablate.model.native.layers import LayerCalls, PagedDecode
 from ablate.model.product_paths import NATIVE, PRODUCT_PATHS, row_class
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 Rope = tuple[torch.Tensor, torch.Tensor]        # cos, sin (T, 1, D)
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+PAGED_DECODE = "native/paged_decode"     # a step's memo: its PagedDecode, or None
 
 
 def layer_calls(layer: nn.Module, dtype: torch.dtype, rows: int, threads: int) -> LayerCalls | None:
@@ -74,11 +75,22 @@ class NativeStep(NamedTuple):
         """DecoderLayer.forward's result, its x (T, d) written over: the two calls around the arm's cache
         and attention."""
         calls, index = self.layer.calls, self.layer.index
+        if fwd.native_layers and self.layer.features is None:    # a layer before this one called the slots
+            paged = fwd.step.memo(PAGED_DECODE, lambda: self._paged_decode(fwd, x.shape[0]))
+            if paged is not None:
+                fwd.native_layers += 1
+                fwd.one_call_layers += 1
+                return calls.paged_decode(x, *rope, self.scratch, paged.layers[index])
         calls.qkv(x, *rope, self.scratch, self.qkv)
         q, k, v = self.qkv
         out = fwd.attend(index, q, fwd.store(index, k, v), self.layer.features)       # (T, H, D)
         fwd.native_layers += 1
         return calls.out_mlp(x, out, self.scratch)
+
+    def _paged_decode(self, fwd: Forward, rows: int) -> PagedDecode | None:
+        """The step's paged cache for whole-layer calls, where the arm's cache and attention offer it."""
+        places = fwd.paged_places()
+        return None if places is None else PagedDecode.of(self.layer.calls, places, fwd.step.kv_lens_t, rows)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,12 @@ def paged_decode_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return None
 
 
-def _int32(t: torch.Tensor) -> torch.Tensor:
+def softmax_scale(dim: int) -> float:
+    """The kernel's default scale of q . k: 1 / sqrt(D), as SDPA's."""
+    return dim ** -0.5
+
+
+def int32(t: torch.Tensor) -> torch.Tensor:
     """t as contiguous int32, itself where it is (each cast or copy asked for costs a dispatch, ~1 us)."""
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
@@ -47,10 +52,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (num_blocks, block_size, H_kv, D) fp32; block_tables (B, max_blocks) and context_lens (B) int32.
     The caller has checked paged_decode_problem()."""
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
-    tables, lens = _int32(block_tables), _int32(context_lens)
+    tables, lens = int32(block_tables), int32(context_lens)
     batch, heads, dim = q.shape
     out = torch.empty_like(q)
-    scale = dim ** -0.5 if sm_scale is None else sm_scale
+    scale = softmax_scale(dim) if sm_scale is None else sm_scale
     library().paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                                      lens.data_ptr(), out.data_ptr(), batch, heads, k_cache.shape[2], dim,
                                      k_cache.shape[1], tables.shape[1], scale, threads)

@@ -45,6 +45,8 @@ SIGNATURES = {
     "paged_decode_attention": ([_p] * 6 + [_i64] * 6 + [ctypes.c_float, ctypes.c_int], None),
     "layer_qkv": ([_p, _p, ctypes.c_float] + [_p] * 8 + [_i64] * 5 + [ctypes.c_int], None),
     "layer_out_mlp": ([_p, _p, _p, _p, ctypes.c_float] + [_p] * 4 + [_i64] * 4 + [ctypes.c_int], None),
+    "layer_paged_decode": ([_p, _p, ctypes.c_float] + [_p] * 9 + [_i64, _i64, ctypes.c_float, _p, _p, ctypes.c_float]
+                           + [_p] * 4 + [_i64] * 6 + [ctypes.c_int], None),
     "vector_floats": ([], ctypes.c_int),
 }
 

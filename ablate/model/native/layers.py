@@ -11,9 +11,15 @@ native path for its row count, and makes them again whenever a path or a layout 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, NamedTuple
+
 import torch
 
+from ablate.model.native.attention import MAX_BLOCK_SIZE, int32, softmax_scale
 from ablate.model.native.build import library
+
+if TYPE_CHECKING:
+    from ablate.api.kv import PagedKV
 
 
 def _check(what: str, dtype: torch.dtype, **tensors: tuple[torch.Tensor | None, tuple[int, ...]]) -> None:
@@ -43,7 +49,9 @@ class LayerCalls:
         self.qkv_args = (attn_norm.data_ptr(), attn_eps, w_qkv.data_ptr(), None if b_qkv is None else b_qkv.data_ptr())
         self.out_mlp_args = (w_o.data_ptr(), mlp_norm.data_ptr(), mlp_eps, w_gate_up.data_ptr(), w_down.data_ptr())
         self.threads = threads
-        self.scratch_floats = max(d + self.width, 2 * d + 3 * f)    # per row, for either call
+        self.dims = (d, heads, kv_heads, dim, f, threads)
+        # per row, for any call: q, k, v and the attention's output of a whole layer's call, then either half's
+        self.scratch_floats = self.width + heads * dim + max(d + self.width, 2 * d + 3 * f)
 
     def outputs(self, t: int, layers: int = 1) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """New q (T, H, D), k and v (T, H_kv, D) for qkv to write, for `layers` layers of this shape, in
@@ -76,9 +84,50 @@ class LayerCalls:
                                 self.d, self.heads * self.dim, self.f, self.threads)
         return x
 
+    def paged_decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scratch: torch.Tensor,
+                     cache: tuple) -> torch.Tensor:
+        """The whole layer of a decode step on a paged cache read by the native paged kernel, in one call:
+        qkv, k and v copied to their slots of the layer's pools, the attention over them, out_mlp. x (T, d)
+        written over and returned; cache: the layer's arguments from PagedDecode.of."""
+        library().layer_paged_decode(x.data_ptr(), *self.qkv_args, cos.data_ptr(), sin.data_ptr(), *cache,
+                                     *self.out_mlp_args, x.data_ptr(), scratch.data_ptr(), x.shape[0], *self.dims)
+        return x
+
     def check_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scratch: torch.Tensor) -> None:
         """What qkv and out_mlp take of a step, checked once a step for every layer it fits (the model
         makes them and passes the same tensors to each layer)."""
         t = x.shape[0]
         _check("layer", self.dtype, x=(x, (t, self.d)), cos=(cos, (t, 1, self.dim)), sin=(sin, (t, 1, self.dim)),
                scratch=(scratch, (t * self.scratch_floats,)))
+
+
+class PagedDecode(NamedTuple):
+    """A decode step's paged cache as layer_paged_decode takes it, checked once a step: per layer, the
+    pointers of its K and V pools, its rows' slots, its block tables and the step's context lengths,
+    with the block size, the tables' width and the scale; `held` keeps what they point to."""
+    layers: list[tuple]
+    held: tuple
+
+    @classmethod
+    def of(cls, calls: LayerCalls, places: list[tuple[PagedKV, torch.Tensor]], kv_lens: torch.Tensor,
+           rows: int) -> PagedDecode | None:
+        """From KVCache.paged_slots' places and the step's kv_lens_t, for `rows` sequences of one query
+        each, or None where a layer's pool, slots or tables are not what the kernels take (the C code
+        trusts them): fp32 pools (N, bs, H_kv, D) of the layer's shape, every slot inside its pool."""
+        lens = int32(kv_lens)
+        layers, held, bounds = [], [lens], {}
+        for view, slots in places:
+            k, v, tables = view.k_cache, view.v_cache, view.block_tables
+            pool = (k.shape[0], k.shape[1], calls.kv_heads, calls.dim)
+            if (k.shape != pool or v.shape != pool or k.shape[1] > MAX_BLOCK_SIZE or tables.dtype != torch.int32
+                    or slots.dtype != torch.long or tables.shape[0] != rows or slots.shape != (rows,)
+                    or lens.shape != (rows,) or {k.dtype, v.dtype} != {torch.float32}
+                    or not all(t.is_contiguous() and t.device.type == "cpu" for t in (k, v, tables, slots))):
+                return None
+            bounds.setdefault(slots.data_ptr(), (slots, k.shape[0] * k.shape[1]))
+            layers.append((k.data_ptr(), v.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                           k.shape[1], tables.shape[1], softmax_scale(calls.dim)))
+            held += (k, v, tables, slots)
+        if any(rows and not 0 <= int(slots.min()) <= int(slots.max()) < n for slots, n in bounds.values()):
+            return None
+        return cls(layers, tuple(held))

@@ -34,6 +34,7 @@ from ablate.api import (Attention, BuildContext, KVView, LayerAttention, PagedKV
                         unpad_queries)
 from ablate_attention import decode_timing
 from ablate_attention.flash import unsupported_shape
+from ablate_attention.paged_shapes import decode_shape_problem, mla_hint, native_shape_problem
 from ablate_attention.sdpa import plain_causal
 
 BACKENDS = ("auto", "triton", "native", "torch")
@@ -86,42 +87,6 @@ def one_query_and_rest(step: StepInputs) -> list[tuple[torch.Tensor, StepInputs]
     return [(device_tensor(seqs, torch.long, device), step.part(seqs)) for seqs in (one, rest)]
 
 
-def decode_widths(ctx: BuildContext) -> tuple[int, int, int]:
-    """The widths of a decode step's q, K and V. MHA decodes queries of model.head_dim over the cache's
-    K and V widths; MLA's absorbed decode queries the cached rows [c, k^R] themselves, K = V = those
-    rows (kv_latent_dim + rope_head_dim)."""
-    spec = ctx.kv_spec
-    if getattr(ctx.model.config, "attention_kind", "mha") == "mla":
-        return spec.k_head_dim, spec.k_head_dim, spec.k_head_dim
-    return ctx.model.config.head_dim, spec.k_head_dim, spec.v_head_dim
-
-
-def decode_shape_problem(ctx: BuildContext) -> str | None:
-    """Why the Triton kernel cannot take this model's decode steps, as far as the build context tells, or None."""
-    # shape-only stand-ins: the check each decode step runs (flash's unsupported_shape) decides here too
-    q, k, v = (torch.empty(0, width, dtype=ctx.kv_spec.dtype, device="meta") for width in decode_widths(ctx))
-    return unsupported_shape(q, k, v)
-
-
-def native_shape_problem(ctx: BuildContext) -> str | None:
-    """Why the native kernel cannot take this model's decode steps (one-row stand-ins of its tensors), or None."""
-    spec = ctx.kv_spec
-    q_width, k_width, v_width = decode_widths(ctx)
-    q = torch.empty(1, ctx.model.config.n_heads, q_width, dtype=spec.dtype, device="cpu")
-    k, v = (torch.empty(1, 1, spec.n_kv_heads, width, dtype=spec.dtype, device="cpu") for width in (k_width, v_width))
-    return native.paged_decode_problem(q, k, v)
-
-
-def _mla_hint(ctx: BuildContext) -> str:
-    """For MLA, where the width the kernel sees comes from."""
-    cfg = ctx.model.config
-    if getattr(cfg, "attention_kind", "mha") != "mla":
-        return ""
-    return (f" (MLA decodes over the cached rows, model.kv_latent_dim + model.rope_head_dim = "
-            f"{cfg.kv_latent_dim} + {cfg.rope_head_dim} wide; with variant=mla those are variant.rank and "
-            "2 x variant.rope_frequencies x the source's n_kv_heads)")
-
-
 def _warn_once(reason: str, message: str) -> None:
     if reason not in _warned:
         _warned.add(reason)
@@ -156,7 +121,7 @@ class PagedAttention(Attention):
             why = decode_shape_problem(ctx)
             if why is not None:
                 raise ValueError(f"attention=paged backend=triton: the paged-decode kernel cannot take model "
-                                 f"{ctx.model.config.name!r}: {why}{_mla_hint(ctx)}; use attention.backend=auto "
+                                 f"{ctx.model.config.name!r}: {why}{mla_hint(ctx)}; use attention.backend=auto "
                                  "(the PyTorch block-table gather where the kernel cannot run, recorded as such) "
                                  "or attention.backend=torch")
         if config.backend == "native":
@@ -216,6 +181,15 @@ class PagedAttention(Attention):
         kind = "decode" if step.is_decode else "prefill"
         self.backends.setdefault(kind if layer is None else f"{kind}:{'+'.join(sorted(layer.features))}", "torch")
         return gathered_attention(q, view, step, layer)
+
+    def native_paged_decode(self, step: StepInputs) -> bool:
+        """Whether this decode step's plain layers run the native kernel, as its first layer decided (or,
+        untimed until then, timed): a native layer call may then run it itself (Attention's contract)."""
+        kernel = step.memoized(self._decided)
+        if kernel is None and (key := step.memoized("paged_decode_key")) is not None:
+            choice = decode_timing.choice_for(key)
+            kernel = None if choice is None else choice.kernel
+        return step.is_decode and kernel == "native"
 
     def _decode_kernel(self, q: torch.Tensor, view: PagedKV, step: StepInputs) -> str | None:
         """The kernel of a decode step's layers ("torch": the gather); None: not timed yet (_timed times it)."""

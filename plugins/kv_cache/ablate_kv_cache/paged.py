@@ -208,6 +208,13 @@ class PagedKVCache(KVCache):
         k, v, _, _ = self._pool_views()[i]
         return PagedKV(k, v, step.memo("paged/block_tables", lambda: step.plan["block_tables"].unbind(0))[group])
 
+    def paged_slots(self, step: StepInputs) -> list[tuple[PagedKV, torch.Tensor]] | None:
+        # where write() and view() are these: a subclass replacing one says where its rows go itself
+        if any(getattr(type(self), name) is not getattr(PagedKVCache, name) for name in ("write", "view", "_pool_views")):
+            return None
+        slots = step.memo("paged/slot_mapping", lambda: step.plan["slot_mapping"].unbind(0))
+        return [(self.view(layer, step), slots[self._where[layer][0]]) for layer in range(len(self._where))]
+
     def _pool_views(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per layer of the pool: its K and V (num_blocks, block_size, H_kv, D), and both flattened to slots
         (flatten, not view(-1, ...): MLA's V has zero width, and -1 cannot be inferred from zero elements).

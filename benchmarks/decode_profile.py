@@ -12,12 +12,14 @@ without ablate's native kernels, ablate/model/native/: its products and its RMSN
 `onednn` (every product of up to 16 rows forced onto one of torch's paths), and at batch 1 `numpy`
 (every one-token step lent to numpy's BLAS, ablate/model/numpy_blas.py), `native` (every one-row
 product on the native kernel, each layer's dense arithmetic in two native calls around the cache and
-the attention: ablate/model/native/layers.py) and `native, op by op` (the same kernels called one by
-one from Python, as before the layer calls); past 16 rows only `timed` (the native kernels take at
-most 16). Per way: the decode step's median time from the engine's recorder, and a torch.profiler
+the attention, or, with --attention paged, a decode step's layer after the first in one call with its
+cache's write and the attention inside: ablate/model/native/layers.py), `native, two calls` (never
+in one) and `native, op by op` (the same kernels called one by one from Python, as before the layer
+calls); past 16 rows only `timed` (the native kernels take at most 16). Per way: the decode step's median time from the engine's recorder, and a torch.profiler
 breakdown of the same steps run again, each category's share of the profiled step applied to the
 unprofiled one: the products (mkldnn::_linear_pointwise, aten::mm/addmm, numpy's matmul, the native
-matvec), the layers' native calls (their products, norms, RoPE and SwiGLU), the attention and
+matvec), the layers' native calls (their products, norms, RoPE and SwiGLU; the one-call layers apart,
+with their cache writes and attention), the attention and
 KV-cache slots (the plugins' whole calls), RMSNorm (aten::rms_norm and the operations it is made of,
 or the native kernel) and the rest; beside it the weights' bytes per step over the step time against
 the machine's read bandwidth (a 1 GiB buffer, measured here), and the products' arithmetic rate (2
@@ -61,8 +63,10 @@ CATEGORIES = {"products": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm
               "attention": ("slot::attention",),
               "kv_cache": ("slot::kv_cache",),
               "layer_calls": ("native::layer_qkv", "native::layer_out_mlp"),
+              "one_call_layers": ("native::layer_paged_decode",),
               "rms_norm": ("aten::rms_norm", "native::rms_norm")}
 OP_BY_OP = "native, op by op"    # the native way with each layer's kernels called one by one from Python
+TWO_CALLS = "native, two calls"  # the native way with no decode step's layer in one call (the slots between two)
 
 
 def force(way: str, chosen: dict) -> None:
@@ -72,15 +76,19 @@ def force(way: str, chosen: dict) -> None:
     PRODUCT_PATHS.restore(chosen["no native" if way == "no native" else "timed"])
     if way in ("mkl", "onednn"):
         PRODUCT_PATHS.force({"1": way, "2-16": way})
-    elif way in ("numpy", "native", OP_BY_OP):
-        PRODUCT_PATHS.force({"1": "native" if way == OP_BY_OP else way})
+    elif way in ("numpy", "native", OP_BY_OP, TWO_CALLS):
+        PRODUCT_PATHS.force({"1": "native" if way in (OP_BY_OP, TWO_CALLS) else way})
 
 
-def layers_as_calls(on: bool):
-    """The layers' dense arithmetic as two native calls where they can run so (ablate/model/native_plan.py),
-    or op by op from Python."""
-    return contextlib.nullcontext() if on else unittest.mock.patch.object(NativePlans, "for_step",
-                                                                          lambda self, layers, x, fwd: None)
+def layers_as_calls(way: str):
+    """The layers as native calls where they can run so (ablate/model/native_plan.py: a decode step's
+    layer in one call where its cache and attention allow, else two around the slots); for TWO_CALLS
+    never in one; for OP_BY_OP op by op from Python."""
+    if way == OP_BY_OP:
+        return unittest.mock.patch.object(NativePlans, "for_step", lambda self, layers, x, fwd: None)
+    if way == TWO_CALLS:
+        return unittest.mock.patch.object(Forward, "paged_places", lambda self: None)
+    return contextlib.nullcontext()
 
 
 def native_kernels(on: bool):
@@ -164,17 +172,20 @@ def main() -> None:
     native.matvec, native.rms_norm = named(native.matvec, "native::matvec"), named(native.rms_norm, "native::rms_norm")
     LayerCalls.qkv = named(LayerCalls.qkv, "native::layer_qkv")
     LayerCalls.out_mlp = named(LayerCalls.out_mlp, "native::layer_out_mlp")
+    LayerCalls.paged_decode = named(LayerCalls.paged_decode, "native::layer_paged_decode")
     Forward.attend, Forward.store = named(Forward.attend, "slot::attention"), named(Forward.store, "slot::kv_cache")
     bandwidth = measure_read_bandwidth() / 1e9
     # past 16 rows a step's products keep their timed paths whatever the way: one way to run
     numpy = args.batch == 1 and numpy_blas.blas_threads(torch.get_num_threads())
     ways = ("timed",) if args.batch > 16 else (("timed", "no native", "mkl", "onednn") + (("numpy",) if numpy else ())
-                                               + (("native", OP_BY_OP) if args.batch == 1 and native.available() else ()))
+                                               + (("native", OP_BY_OP) if args.batch == 1 and native.available() else ())
+                                               + ((TWO_CALLS,) if args.batch == 1 and native.available()
+                                                  and args.attention == "paged" else ()))
     rows = []
     for round_ in range(args.rounds):
         for way in ways if round_ % 2 == 0 else ways[::-1]:
             force(way, chosen)
-            with native_kernels(way != "no native"), layers_as_calls(way != OP_BY_OP):
+            with native_kernels(way != "no native"), layers_as_calls(way):
                 step_ms, n, _ = decode_steps(model, arm, registry, args.batch, args.steps, profiled=False)
                 profiled_ms, n, prof = decode_steps(model, arm, registry, args.batch, args.steps, profiled=True)
             rows.append({"way": way, "round": round_, "step_ms": step_ms} | breakdown(prof, n, profiled_ms, step_ms))
@@ -187,7 +198,7 @@ def main() -> None:
     table["of_read_bandwidth"] = table["weights_gb_s"] / bandwidth
     # 2 flops per weight per row (the embedding table counted once, as the tied LM head)
     table["products_gflop_s"] = (2 * args.batch * model.weight_bytes() / 4 / table["products_ms"] / 1e6).where(
-        table["layer_calls_ms"] == 0)
+        (table["layer_calls_ms"] == 0) & (table["one_call_layers_ms"] == 0))
     print(f"read bandwidth {bandwidth:.1f} GB/s (1 GiB buffer); {torch.get_num_threads()} threads; batch {args.batch}; "
           f"timed choices: {PRODUCT_PATHS.choices()}")
     print(table.to_markdown(floatfmt=".3g"))

@@ -15,6 +15,7 @@ from ablate.baselines.naive_attention import NaiveAttention, NaiveAttentionConfi
 from ablate_decoding.acceptance import Verdict, accept_greedy
 from ablate_decoding.speculative import Speculative, SpeculativeConfig, kept_tokens
 from ablate_kv_cache.contiguous import ContiguousConfig, ContiguousKVCache
+from ablate_kv_cache.paged import PagedConfig, PagedKVCache
 from ablate_scheduler.continuous import ContinuousConfig, ContinuousScheduler
 from ablate_streaming.cache import StreamingConfig, StreamingKVCache
 
@@ -381,3 +382,13 @@ class CompressedIgnoresBudget(ContiguousKVCache):
     def view(self, layer, step):
         stored = super().view(layer, step)
         return PaddedKV(stored.k.to(self.spec.dtype), stored.v.to(self.spec.dtype))
+
+
+class SlotsOffByOne(PagedKVCache):
+    """Gives a native layer the rows one past those write() fills (KVCache.paged_slots)."""
+    name = "slots_off_by_one"
+    config_class = config(PagedConfig, name)
+
+    def paged_slots(self, step):
+        places = super().paged_slots(step)
+        return None if places is None else [(view, slots + 1) for view, slots in places]

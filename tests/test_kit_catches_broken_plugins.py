@@ -13,8 +13,8 @@ from ablate.testing.scenarios import RAGGED, ragged_requests
 from broken_plugins import (AdmitsTwice, BiasedSpeculative, ClaimsPreemptedCached, CompressedIgnoresBudget,
                             DropsArrivals, FirstLayerOnly, ForgetsDecodeTokens, HalfBytesPerToken, IgnoresMaxNumSeqs,
                             IgnoresTemperature, IgnoresTopP, LateWrite, LogitsByBatchIndex, NeverFrees, NeverReleases,
-                            NeverResumes, OneAtATime, ReservedLies, ScalesKInPlace, ShortView, Starves, SwapsRowsExact,
-                            SwapsRowsLossy, UsedLies, WrongGreedyToken, ZeroBytesPerToken)
+                            NeverResumes, OneAtATime, ReservedLies, ScalesKInPlace, ShortView, SlotsOffByOne, Starves,
+                            SwapsRowsExact, SwapsRowsLossy, UsedLies, WrongGreedyToken, ZeroBytesPerToken)
 
 # broken plugin -> what the kit's message must say (the rule)
 EXPECTED = {
@@ -46,6 +46,7 @@ EXPECTED = {
     ZeroBytesPerToken: "reports bytes_per_token = 0, but it keeps K/V",
     HalfBytesPerToken: r"turned \d+ bytes of its storage nonzero, \d+ per token, but bytes_per_token is \d+",
     CompressedIgnoresBudget: r"bytes_reserved\(\) \d+ exceeds kv_cache\.budget_bytes=\d+",
+    SlotsOffByOne: r"slots_off_by_one paged_slots\(step\) named rows of layer 0's k pool that do not hold the k",
 }
 
 

@@ -14,6 +14,8 @@ What it checks, on the tiny model, in order (each module's docstring has the det
                     the states it exists for (coverage.py: admissions refused, preemptions, ...)
   runner_checks.py  teacher forcing: batch invariance (a sequence sees only its own K/V) and, for exact
                     plugins, logits equal to the baseline's at every position
+  slot_places.py    a cache that gives a decode step's places (KVCache.paged_slots) names the rows
+                    write() fills and view()'s own pools and tables, at every layer of every step
   sampling.py       a decoding plugin samples from the target's exact distribution (a statistical test)
                     at several temperatures and top_p, greedy requests beside sampled ones
   quality.py        a plugin that is not exact stays within its declared perplexity bound
@@ -32,6 +34,7 @@ from ablate.testing.quality import check_quality
 from ablate.testing.run_checks import check_runs
 from ablate.testing.runner_checks import check_runner
 from ablate.testing.sampling import check_sampling
+from ablate.testing.slot_places import check_paged_slots
 
 
 @dataclass
@@ -41,6 +44,7 @@ class KitReport:
     plugin: str
     coverage: dict[str, Coverage]                      # engine runs under contention: what each reached
     runner_models: list[str]                           # teacher-forcing checks
+    paged_slot_writes: int = 0                         # a cache giving paged_slots: layer writes checked
     sampling: tuple[float, float, int] | None = None   # decoding: (largest |z|, smallest KS p, tokens)
     sampling_coverage: Coverage | None = field(default=None, repr=False)   # decoding: the sampled run
     perplexity: tuple[float, float] | None = None      # not exact: (baseline's, the plugin's)
@@ -59,6 +63,9 @@ class KitReport:
                          "silent chunk before an emitting sequence")
         if self.runner_models:
             lines.append(f"  teacher forcing (batch invariance, logits): {', '.join(self.runner_models)}")
+        if self.paged_slot_writes:
+            lines.append(f"  paged_slots: the rows and views it gives checked at {self.paged_slot_writes} layer writes "
+                         "of decode steps")
         if self.sampling:
             z, p, n = self.sampling
             lines.append(f"  sampling: z = {z:+.2f}, KS p = {p:.2g} (the worst of each temperature and top_p) over "
@@ -85,6 +92,7 @@ def check_plugin(slot: Slot | str, name: str, registry: Registry | None = None,
     check_requirements_enforced(registry, slot, name)
     report = KitReport(f"{slot.value}={name}", check_runs(registry, slot, name, model),
                        check_runner(registry, slot, name, model))
+    report.paged_slot_writes = check_paged_slots(registry, slot, name, model)
     sampled = check_sampling(registry, slot, name, model)
     if sampled is not None:
         report.sampling, report.sampling_coverage = sampled

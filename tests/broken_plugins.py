@@ -391,4 +391,4 @@ class SlotsOffByOne(PagedKVCache):
 
     def paged_slots(self, step):
         places = super().paged_slots(step)
-        return None if places is None else [(view, slots + 1) for view, slots in places]
+        return None if places is None else dataclasses.replace(places, slot_mapping=places.slot_mapping + 1)

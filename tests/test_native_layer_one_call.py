@@ -2,11 +2,13 @@
 inside (ablate/model/native_plan.py, layers.c's layer_paged_decode): taken only where the arm's cache
 says where its rows go and its attention runs that kernel, giving the bits of the layer's slots; never
 where a plugin does more in a slot, runs another kernel, or the cache is not what the kernel takes."""
+import dataclasses
+
 import pytest
 import torch
 
 from ablate.api.context import EngineConfig
-from ablate.api.kv import PagedKV
+from ablate.api.kv import PagedPlaces
 from ablate.api.sequence import Request
 from ablate.engine.runner import ModelRunner
 from ablate.model import native
@@ -98,37 +100,41 @@ def test_a_slot_that_does_more_or_another_kernel_keeps_every_layer_on_the_slots(
 
 
 def test_written_where_the_slots_would_and_refused_where_the_kernel_would_read_astray():
-    """The call writes k and v to the rows the cache names and attends as the attention's kernel; what
-    the C code would trust and read past (a slot outside the pool, a pool of another shape or dtype,
-    tables of another batch) makes no PagedDecode."""
+    """The call writes k and v to the rows the cache names and attends as the attention's kernel does;
+    what the C code would trust and read past (a slot outside the pool, a pool of another shape or
+    dtype, tables of another batch, a layer's pool or group not held) makes no PagedDecode."""
     torch.manual_seed(0)
     d, heads, kv_heads, dim, f, bs, blocks = 16, 4, 2, 8, 24, 4, 6
     norm = torch.ones(d)
     calls = LayerCalls(norm, 1e-5, torch.randn((heads + 2 * kv_heads) * dim, d), None, torch.randn(d, heads * dim),
                        norm, 1e-5, torch.randn(2 * f, d), torch.randn(d, f), heads, kv_heads, dim, 1)
-    k_pool, v_pool = (torch.randn(blocks, bs, kv_heads, dim) for _ in range(2))
-    tables = torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int32)
+    k_pools, v_pools = (torch.randn(2, blocks, bs, kv_heads, dim) for _ in range(2))     # two layers' pools
+    tables = torch.tensor([[[3, 1, 0], [5, 2, 4]]], dtype=torch.int32)                 # one group, 2 sequences
     lens = torch.tensor([7, 10], dtype=torch.int32)              # each sequence's new key is its last
-    slots = torch.tensor([1 * bs + 2, 4 * bs + 1])                # position 6 of sequence 0, 9 of sequence 1
+    slots = torch.tensor([[1 * bs + 2, 4 * bs + 1]])              # position 6 of sequence 0, 9 of sequence 1
+    places = PagedPlaces(k_pools, v_pools, slots, tables, ((0, 0), (1, 0)))
     x, cos, sin = torch.randn(2, d), torch.randn(2, 1, dim), torch.randn(2, 1, dim)
     scratch = torch.empty(2 * calls.scratch_floats)
 
-    # the two calls around the slots' work, on copies
-    k_ref, v_ref, x_ref = k_pool.clone(), v_pool.clone(), x.clone()
+    # layer 1 as the two calls around the slots' work would run it, on copies
+    k_ref, v_ref, x_ref = k_pools[1].clone(), v_pools[1].clone(), x.clone()
     (q, k, v), = calls.outputs(2)
     calls.qkv(x_ref, cos, sin, scratch, (q, k, v))
-    k_ref.flatten(0, 1).index_copy_(0, slots, k)
-    v_ref.flatten(0, 1).index_copy_(0, slots, v)
-    attn = native.paged_decode_attention(q, k_ref, v_ref, tables, lens, 1)
+    k_ref.flatten(0, 1).index_copy_(0, slots[0], k)
+    v_ref.flatten(0, 1).index_copy_(0, slots[0], v)
+    attn = native.paged_decode_attention(q, k_ref, v_ref, tables[0], lens, 1)
     calls.out_mlp(x_ref, attn, scratch)
 
-    paged = PagedDecode.of(calls, [(PagedKV(k_pool, v_pool, tables), slots)], lens, 2)
-    calls.paged_decode(x, cos, sin, scratch, paged.layers[0])
-    assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref) and torch.equal(x, x_ref)
+    untouched = k_pools[0].clone(), v_pools[0].clone()
+    paged = PagedDecode.of(calls, places, lens, 2)
+    calls.paged_decode(x, cos, sin, scratch, paged.layers[1])
+    assert torch.equal(k_pools[1], k_ref) and torch.equal(v_pools[1], v_ref) and torch.equal(x, x_ref)
+    assert torch.equal(k_pools[0], untouched[0]) and torch.equal(v_pools[0], untouched[1])
 
-    for bad in ({"slots": torch.tensor([0, blocks * bs])}, {"slots": torch.tensor([-1, 3])},
-                {"slots": slots.int()}, {"k": torch.randn(blocks, bs, kv_heads, dim + 1)},
-                {"k": k_pool.double()}, {"v": v_pool[:, :2]}, {"tables": tables[:1]}, {"tables": tables.long()},
-                {"k": k_pool.transpose(1, 2).contiguous().transpose(1, 2)}):
-        view = PagedKV(bad.get("k", k_pool), bad.get("v", v_pool), bad.get("tables", tables))
-        assert PagedDecode.of(calls, [(view, bad.get("slots", slots))], lens, 2) is None, bad
+    for bad in ({"slot_mapping": torch.tensor([[0, blocks * bs]])}, {"slot_mapping": torch.tensor([[-1, 3]])},
+                {"slot_mapping": slots.int()}, {"slot_mapping": slots[:, :1]},
+                {"k": torch.randn(2, blocks, bs, kv_heads, dim + 1)}, {"k": k_pools.double()},
+                {"v": v_pools[:, :, :2]}, {"block_tables": tables[:, :1]}, {"block_tables": tables.long()},
+                {"k": k_pools.transpose(2, 3).contiguous().transpose(2, 3)}, {"layers": ((0, 0), (2, 0))},
+                {"layers": ((0, 0), (1, 1))}):
+        assert PagedDecode.of(calls, dataclasses.replace(places, **bad), lens, 2) is None, bad

@@ -11,8 +11,8 @@ one. Variants and drafters that build models also import from ablate.api.model.
 from ablate.api.clock import now
 from ablate.api.context import BuildContext, EngineConfig
 from ablate.api.executor import Executor, ModelSession
-from ablate.api.kv import (KVBudgetConfig, KVSpec, KVView, PackedKV, PaddedKV, PagedKV, budget_bytes,
-                           free_memory_bytes)
+from ablate.api.kv import (KVBudgetConfig, KVSpec, KVView, PackedKV, PaddedKV, PagedKV, PagedPlaces,
+                           budget_bytes, free_memory_bytes)
 from ablate.api.kv_cache import KVCache
 from ablate.api.packing import LayerAttention, causal_mask, pad_queries, softcapped_attention, unpad_queries
 from ablate.api.plugin import Plugin, PluginConfig, PluginError, QualityBound, Requirement, Slot, Stat, StatFigure
@@ -24,9 +24,9 @@ from ablate.api.step import Batch, StepInputs, StepLogits, device_tensor
 
 __all__ = [
     "Attention", "Batch", "BuildContext", "Decoding", "EngineConfig", "Executor", "KVBudgetConfig", "KVCache",
-    "KVSpec", "KVView", "LayerAttention", "ModelSession", "ModelVariant", "PackedKV", "PaddedKV", "PagedKV", "Plugin",
-    "PluginConfig", "PluginError", "QualityBound", "Request", "Requirement", "RowBuffers", "Sampler", "SamplingParams",
-    "Scheduler", "Sequence", "Slot", "Stat", "StatFigure", "Status", "StepInputs", "StepLogits", "budget_bytes",
-    "causal_mask", "device_tensor", "free_memory_bytes", "greedy", "now", "pad_queries", "probabilities", "softcapped_attention",
-    "unpad_queries",
+    "KVSpec", "KVView", "LayerAttention", "ModelSession", "ModelVariant", "PackedKV", "PaddedKV", "PagedKV",
+    "PagedPlaces", "Plugin", "PluginConfig", "PluginError", "QualityBound", "Request", "Requirement", "RowBuffers",
+    "Sampler", "SamplingParams", "Scheduler", "Sequence", "Slot", "Stat", "StatFigure", "Status", "StepInputs",
+    "StepLogits", "budget_bytes", "causal_mask", "device_tensor", "free_memory_bytes", "greedy", "now", "pad_queries",
+    "probabilities", "softcapped_attention", "unpad_queries",
 ]

@@ -153,6 +153,28 @@ class PagedKV:
 KVView = PackedKV | PaddedKV | PagedKV
 
 
+@dataclass(frozen=True)
+class PagedPlaces:
+    """Where a paged cache keeps a decode step's K/V, every layer at once (KVCache.paged_slots): layer l
+    writes its token t's k and v to row slot_mapping[g, t] of pool p, flattened to (num_blocks *
+    block_size, H_kv, D), and reads pool p through block_tables[g], with (p, g) = layers[l]; that is,
+    view(l) is PagedKV(k[p], v[p], block_tables[g])."""
+
+    k: torch.Tensor               # (P, num_blocks, block_size, H_kv, D): the pools
+    v: torch.Tensor
+    slot_mapping: torch.Tensor    # (G, T) int64, per group of layers sharing block tables
+    block_tables: torch.Tensor    # (G, B, max_blocks_per_seq) int32
+    layers: tuple[tuple[int, int], ...]    # per layer of the model: (its pool, its group)
+
+    def view(self, layer: int) -> PagedKV:
+        pool, group = self.layers[layer]
+        return PagedKV(self.k[pool], self.v[pool], self.block_tables[group])
+
+    def slots(self, layer: int) -> torch.Tensor:
+        """(T,) int64: the rows of the layer's pool that its tokens' k and v go to."""
+        return self.slot_mapping[self.layers[layer][1]]
+
+
 def view_problem(view: KVView, step: StepInputs, spec: KVSpec) -> str | None:
     """Why `view` cannot be what attention reads for `step`, or None when its shapes fit."""
     if isinstance(view, PackedKV):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ablate.api.kv import KVSpec, KVView, PagedKV
+from ablate.api.kv import KVSpec, KVView, PagedPlaces
 from ablate.api.plugin import Plugin, PluginConfig, PluginError, Slot, blame, final
 from ablate.api.sequence import Sequence
 from ablate.api.step import StepInputs, device_tensor
@@ -177,11 +177,11 @@ class KVCache(Plugin):
         """What attention reads for `layer` after write(): every sequence's keys in batch order, this
         step's included, kv_lens[b] of them, in the model's dtype."""
 
-    def paged_slots(self, step: StepInputs) -> list[tuple[PagedKV, torch.Tensor]] | None:
-        """Per layer, the PagedKV view() gives and the rows (T,) int64 of its pool flattened to
-        (num_blocks * block_size, H_kv, D) that write() copies this step's k and v into, where write()
-        does nothing else: a layer running the native paged decode kernel may then write and read the
-        cache itself, in one native call (ablate/model/native_plan.py). None (the default): every layer
+    def paged_slots(self, step: StepInputs) -> PagedPlaces | None:
+        """For a paged cache whose write() only copies this step's k and v to their rows: where every
+        layer's rows go and view()'s PagedKV (PagedPlaces), so that a layer running the native paged
+        decode kernel may write and read the cache itself, in one native call (ablate/model/native_plan.py;
+        the conformance kit checks them against write() and view()). None (the default): every layer
         calls write() and view()."""
         return None
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ablate.api.kv import KVView, PagedKV, view_problem
+from ablate.api.kv import KVView, PagedPlaces, view_problem
 from ablate.api.kv_cache import KVCache
 from ablate.api.packing import LayerAttention
 from ablate.api.plugin import PluginError
@@ -90,8 +90,8 @@ class Forward:
                               f"{tuple(q.shape)} {q.dtype}: expected (T, H, D_v) in the queries' dtype")
         return out
 
-    def paged_places(self) -> list[tuple[PagedKV, torch.Tensor]] | None:
-        """Per layer, where this decode step's K/V rows go and are read (KVCache.paged_slots), where the
+    def paged_places(self) -> PagedPlaces | None:
+        """Where every layer's K/V rows of this decode step go and are read (KVCache.paged_slots), where the
         arm's attention runs the native paged kernel for the step (Attention.native_paged_decode): a
         native layer may then write and read them itself. None: every layer calls the slots. Asked by a
         layer after one that called the attention (ablate/model/native_plan.py)."""

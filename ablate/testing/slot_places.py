@@ -12,7 +12,7 @@ import unittest.mock
 import torch
 
 from ablate.api.context import EngineConfig
-from ablate.api.kv import PagedKV
+from ablate.api.kv import PagedKV, PagedPlaces
 from ablate.api.kv_cache import KVCache
 from ablate.api.plugin import Slot
 from ablate.engine.registry import Registry
@@ -53,18 +53,21 @@ def check_paged_slots(registry: Registry, slot: Slot, name: str, model: LlamaMod
     return len(checked)
 
 
-def _problem(cache: KVCache, places: list, layer: int, step, k: torch.Tensor, v: torch.Tensor,
+def _problem(cache: KVCache, places: PagedPlaces, layer: int, step, k: torch.Tensor, v: torch.Tensor,
              n_layers: int) -> str | None:
     """What is wrong with `places` for `layer`, just written with k, v (T, H_kv, D), or None."""
-    if len(places) != n_layers:
-        return f"gave {len(places)} places for a model of {n_layers} layers"
-    view, slots = places[layer]
+    if not isinstance(places, PagedPlaces) or len(places.layers) != n_layers:
+        return f"gave {type(places).__name__} {places!r:.80} for a model of {n_layers} layers: expected PagedPlaces"
     given = cache.view(layer, step)
-    if not isinstance(view, PagedKV) or not isinstance(given, PagedKV):
-        return f"gave a {type(view).__name__} for layer {layer}, where view() gives a {type(given).__name__}"
-    if (view.k_cache.data_ptr(), view.v_cache.data_ptr(), view.k_cache.shape) != (
-            given.k_cache.data_ptr(), given.v_cache.data_ptr(), given.k_cache.shape) or not torch.equal(
-            view.block_tables, given.block_tables):
+    try:
+        view, slots = places.view(layer), places.slots(layer)
+    except IndexError as err:
+        return f"gave layer {layer} a pool or group its tensors do not hold ({err})"
+    if not isinstance(given, PagedKV):
+        return f"gave places for layer {layer}, where view() gives a {type(given).__name__}"
+    if (view.k_cache.data_ptr(), view.v_cache.data_ptr(), view.k_cache.shape, view.v_cache.shape) != (
+            given.k_cache.data_ptr(), given.v_cache.data_ptr(), given.k_cache.shape, given.v_cache.shape) or not (
+            torch.equal(view.block_tables, given.block_tables)):
         return f"gave layer {layer} pools or block tables other than view()'s"
     if slots.dtype != torch.long or slots.shape != (k.shape[0],):
         return f"gave layer {layer} slots {tuple(slots.shape)} {slots.dtype}, expected ({k.shape[0]},) int64"

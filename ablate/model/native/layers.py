@@ -19,7 +19,7 @@ from ablate.model.native.attention import MAX_BLOCK_SIZE, int32, softmax_scale
 from ablate.model.native.build import library
 
 if TYPE_CHECKING:
-    from ablate.api.kv import PagedKV
+    from ablate.api.kv import PagedPlaces
 
 
 def _check(what: str, dtype: torch.dtype, **tensors: tuple[torch.Tensor | None, tuple[int, ...]]) -> None:
@@ -109,25 +109,24 @@ class PagedDecode(NamedTuple):
     held: tuple
 
     @classmethod
-    def of(cls, calls: LayerCalls, places: list[tuple[PagedKV, torch.Tensor]], kv_lens: torch.Tensor,
-           rows: int) -> PagedDecode | None:
+    def of(cls, calls: LayerCalls, places: PagedPlaces, kv_lens: torch.Tensor, rows: int) -> PagedDecode | None:
         """From KVCache.paged_slots' places and the step's kv_lens_t, for `rows` sequences of one query
-        each, or None where a layer's pool, slots or tables are not what the kernels take (the C code
-        trusts them): fp32 pools (N, bs, H_kv, D) of the layer's shape, every slot inside its pool."""
-        lens = int32(kv_lens)
-        layers, held, bounds = [], [lens], {}
-        for view, slots in places:
-            k, v, tables = view.k_cache, view.v_cache, view.block_tables
-            pool = (k.shape[0], k.shape[1], calls.kv_heads, calls.dim)
-            if (k.shape != pool or v.shape != pool or k.shape[1] > MAX_BLOCK_SIZE or tables.dtype != torch.int32
-                    or slots.dtype != torch.long or tables.shape[0] != rows or slots.shape != (rows,)
-                    or lens.shape != (rows,) or {k.dtype, v.dtype} != {torch.float32}
-                    or not all(t.is_contiguous() and t.device.type == "cpu" for t in (k, v, tables, slots))):
-                return None
-            bounds.setdefault(slots.data_ptr(), (slots, k.shape[0] * k.shape[1]))
-            layers.append((k.data_ptr(), v.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                           k.shape[1], tables.shape[1], softmax_scale(calls.dim)))
-            held += (k, v, tables, slots)
-        if any(rows and not 0 <= int(slots.min()) <= int(slots.max()) < n for slots, n in bounds.values()):
+        each, or None where they are not what the kernels take (the C code trusts them): fp32 pools
+        (P, N, bs, H_kv, D) of the layers' shape, slots (G, rows) int64 inside a pool, block tables
+        (G, rows, width) int32, every layer's pool and group among them."""
+        k, v, slots, tables, lens = places.k, places.v, places.slot_mapping, places.block_tables, int32(kv_lens)
+        pools, n, bs = k.shape[0], k.shape[1], k.shape[2]
+        groups = slots.shape[0]
+        if (k.shape != (pools, n, bs, calls.kv_heads, calls.dim) or v.shape != k.shape or bs > MAX_BLOCK_SIZE
+                or {k.dtype, v.dtype} != {torch.float32} or slots.dtype != torch.long or tables.dtype != torch.int32
+                or slots.shape != (groups, rows) or tables.shape[:2] != (groups, rows) or tables.dim() != 3
+                or lens.shape != (rows,)
+                or not all(t.is_contiguous() and t.device.type == "cpu" for t in (k, v, slots, tables, lens))
+                or not all(0 <= p < pools and 0 <= g < groups for p, g in places.layers)
+                or rows and not 0 <= int(slots.min()) <= int(slots.max()) < n * bs):
             return None
-        return cls(layers, tuple(held))
+        scale, width = softmax_scale(calls.dim), tables.shape[2]
+        pool_bytes, slots_bytes, tables_bytes = k[0].nbytes, rows * slots.itemsize, rows * width * tables.itemsize
+        layers = [(k.data_ptr() + p * pool_bytes, v.data_ptr() + p * pool_bytes, slots.data_ptr() + g * slots_bytes,
+                   tables.data_ptr() + g * tables_bytes, lens.data_ptr(), bs, width, scale) for p, g in places.layers]
+        return cls(layers, (k, v, slots, tables, lens))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ablate.api import (BuildContext, KVBudgetConfig, KVCache, PagedKV, PluginError, Sequence, Stat, StepInputs,
+from ablate.api import (BuildContext, KVBudgetConfig, KVCache, PagedKV, PagedPlaces, PluginError, Sequence, Stat, StepInputs,
                         budget_bytes, device_tensor)
 from ablate_kv_cache.block_manager import NULL_BLOCK, BlockManager
 from ablate_kv_cache.layer_groups import layer_groups
@@ -77,6 +77,7 @@ class PagedKVCache(KVCache):
         self.windowed = any(group.window is not None for group in self.groups)
         # layer -> (its group, its index in the pool's layers)
         self._where = {layer: (g, i) for g, group in enumerate(self.groups) for i, layer in enumerate(group.layers)}
+        self._places = tuple((i, g) for _, (g, i) in sorted(self._where.items()))   # per layer (pool, group): paged_slots
         group_layers = len(self.groups[0].layers)
         self.block_bytes = bs * s.bytes_per_token * group_layers // s.num_layers
         self.blocks_per_seq = -(-s.max_seq_len // bs)       # the width of every block table
@@ -208,12 +209,11 @@ class PagedKVCache(KVCache):
         k, v, _, _ = self._pool_views()[i]
         return PagedKV(k, v, step.memo("paged/block_tables", lambda: step.plan["block_tables"].unbind(0))[group])
 
-    def paged_slots(self, step: StepInputs) -> list[tuple[PagedKV, torch.Tensor]] | None:
+    def paged_slots(self, step: StepInputs) -> PagedPlaces | None:
         # where write() and view() are these: a subclass replacing one says where its rows go itself
         if any(getattr(type(self), name) is not getattr(PagedKVCache, name) for name in ("write", "view", "_pool_views")):
             return None
-        slots = step.memo("paged/slot_mapping", lambda: step.plan["slot_mapping"].unbind(0))
-        return [(self.view(layer, step), slots[self._where[layer][0]]) for layer in range(len(self._where))]
+        return PagedPlaces(self.k, self.v, step.plan["slot_mapping"], step.plan["block_tables"], self._places)
 
     def _pool_views(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per layer of the pool: its K and V (num_blocks, block_size, H_kv, D), and both flattened to slots

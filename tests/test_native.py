@@ -384,8 +384,12 @@ def attention_over_blocks(q, k_cache, v_cache, block_tables, context_lens) -> to
     ([9], 1, (4, 1), 24),                # one token per block; multi-query; a width that is not a whole vector
     ([130, 3, 64], 16, (9, 3), 64),      # SmolLM2's heads
     ([40, 1, 17, 33, 2, 64, 5, 16, 70], 32, (20, 2), 32),   # groups of 10 heads (two slices); tasks of whole sequences
+    ([200], 16, (9, 3), 64),             # batch 1: each KV head's blocks in parts, merged
+    ([9], 16, (9, 3), 64),               # one block in two parts: one part holds no key
+    ([0], 16, (9, 3), 64),               # no key in any part: zeros, as the reference gives
+    ([1, 77], 8, (8, 1), 32),            # multi-query, two sequences: parts
 ])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_paged_decode_attention_computes_attention_over_the_blocks(context_lens, block_size, heads, head_dim, threads):
     q, k_cache, v_cache, tables, lens = paged_decode_case(context_lens, block_size, *heads, head_dim=head_dim)
     assert native.paged_decode_problem(q, k_cache, v_cache) is None

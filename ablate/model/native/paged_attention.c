@@ -3,6 +3,7 @@
  * through ctypes (ablate/model/native/attention.py); its parallel loop runs on torch's OpenMP pool.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "vectors.h"
@@ -84,11 +85,13 @@ static void attend_block(const float *q, const float *kb, const float *vb, long 
  * q, out (B, H, D); k_cache, v_cache (num_blocks, bs, H_kv, D); block_tables (B, max_blocks) int32.
  *
  * A task is a sequence, or one KV head of a sequence when there are too few sequences to keep every
- * thread busy (batch < 4 x threads: a batch-1 step on 2 threads). A task of whole sequences reads
- * each block whole (bs x H_kv x D, contiguous) while prefetching the next, where a task per KV head
- * reads every block in strided slices; per KV head, each key and value is read once for all the
- * query heads that share it (attend_block). The caller checks that H * D and bs fit the stack
- * arrays (attention.py: paged_decode_problem). */
+ * thread busy (batch < 4 x threads), or a part of one KV head's blocks when even those are fewer than
+ * 2 x threads (a batch-1 step: 3 KV heads on 2 threads would leave one thread idle a third of the time).
+ * A task of whole sequences reads each block whole (bs x H_kv x D, contiguous) while prefetching the
+ * next, where a task per KV head reads every block in strided slices; per KV head, each key and value is
+ * read once for all the query heads that share it (attend_block). The parts of a KV head's blocks are
+ * merged as FlashDecoding does: with M = max_c m_c, out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c.
+ * The caller checks that H * D and bs fit the stack arrays (attention.py: paged_decode_problem). */
 void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int *block_tables,
                             const int *context_lens, float *out, long batch, long heads, long kv_heads, long dim,
                             long block_size, long max_blocks, float scale, int threads) {
@@ -97,22 +100,30 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
     long block_floats = block_size * key_stride;
     long kv_per_task = batch >= 4L * threads ? kv_heads : 1;
     long tasks_per_seq = kv_heads / kv_per_task;
+    /* parts of a KV head's blocks: enough tasks for 2 per thread */
+    long parts = batch * kv_heads >= 2L * threads ? 1 : (2L * threads + batch * kv_heads - 1) / (batch * kv_heads);
+    long part_floats = group * (dim + 2);             /* a part's m, l and acc for its query heads */
+    float *partial = parts > 1 ? malloc(sizeof(float) * batch * kv_heads * parts * part_floats) : NULL;
+    if (parts > 1 && partial == NULL) parts = 1;     /* no memory for the parts: whole KV heads */
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
-    for (long task = 0; task < batch * tasks_per_seq; task++) {
-        long b = task / tasks_per_seq, first_kv = task % tasks_per_seq * kv_per_task;
+    for (long task = 0; task < batch * tasks_per_seq * parts; task++) {
+        long part = task % parts, head_task = task / parts;
+        long b = head_task / tasks_per_seq, first_kv = head_task % tasks_per_seq * kv_per_task;
         long first_head = first_kv * group, task_heads = kv_per_task * group;
         long ctx = context_lens[b] < max_blocks * block_size ? context_lens[b] : max_blocks * block_size;
+        long blocks = (ctx + block_size - 1) / block_size;
+        long first_block = blocks * part / parts, end_block = blocks * (part + 1) / parts;
         const int *table = block_tables + b * max_blocks;
         const float *qb = q + (b * heads + first_head) * dim;
         float m[task_heads], l[task_heads], acc[task_heads * dim];
         for (long h = 0; h < task_heads; h++) m[h] = -INFINITY, l[h] = 0.0f;
         memset(acc, 0, sizeof acc);
-        for (long start = 0; start < ctx; start += block_size) {
-            long n = ctx - start < block_size ? ctx - start : block_size;
-            const float *kb = k_cache + table[start / block_size] * block_floats + first_kv * dim;
-            const float *vb = v_cache + table[start / block_size] * block_floats + first_kv * dim;
-            if (start + block_size < ctx) {                /* the next block's rows of these KV heads */
-                long next = table[start / block_size + 1] * block_floats + first_kv * dim;
+        for (long blk = first_block; blk < end_block; blk++) {
+            long start = blk * block_size, n = ctx - start < block_size ? ctx - start : block_size;
+            const float *kb = k_cache + table[blk] * block_floats + first_kv * dim;
+            const float *vb = v_cache + table[blk] * block_floats + first_kv * dim;
+            if (blk + 1 < end_block) {                     /* the next block's rows of these KV heads */
+                long next = table[blk + 1] * block_floats + first_kv * dim;
                 for (long j = 0; j < block_size; j++)
                     for (long i = 0; i < kv_per_task * dim; i += 16) {      /* a 64-byte line */
                         __builtin_prefetch(k_cache + next + j * key_stride + i, 0, 3);
@@ -126,10 +137,38 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
                                  m + h, l + h, acc + h * dim);
                 }
         }
+        if (parts > 1) {                                   /* this part's m, l, acc, merged below */
+            float *mine = partial + task * part_floats;
+            memcpy(mine, m, sizeof m);
+            memcpy(mine + task_heads, l, sizeof l);
+            memcpy(mine + 2 * task_heads, acc, sizeof acc);
+            continue;
+        }
         for (long h = 0; h < task_heads; h++) {
             float *o = out + (b * heads + first_head + h) * dim;
             float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;      /* no keys: zeros, as the reference gives */
             for (long i = 0; i < dim; i++) o[i] = acc[h * dim + i] * inv;
         }
     }
+    if (parts == 1)
+        return;
+    for (long head_task = 0; head_task < batch * kv_heads; head_task++) {   /* parts > 1: one KV head a task */
+        const float *first = partial + head_task * parts * part_floats;
+        long b = head_task / kv_heads, first_head = head_task % kv_heads * group;
+        for (long h = 0; h < group; h++) {
+            float top = -INFINITY, sum = 0.0f, *o = out + (b * heads + first_head + h) * dim;
+            for (long c = 0; c < parts; c++) top = first[c * part_floats + h] > top ? first[c * part_floats + h] : top;
+            memset(o, 0, sizeof(float) * dim);
+            for (long c = 0; c < parts; c++) {
+                const float *mine = first + c * part_floats;
+                if (mine[group + h] == 0.0f) continue;     /* a part without keys */
+                float w = expf(mine[h] - top);
+                sum += w * mine[group + h];
+                for (long i = 0; i < dim; i++) o[i] += w * mine[2 * group + h * dim + i];
+            }
+            float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            for (long i = 0; i < dim; i++) o[i] *= inv;
+        }
+    }
+    free(partial);
 }

@@ -4,9 +4,10 @@ Decode steps (one query per sequence) walk each sequence's block table inside a 
 ablate_kernels.paged_decode_attention (Triton; it also runs on the CPU under TRITON_INTERPRET=1, for
 tests) where it takes the shapes (ablate_attention.flash.unsupported_shape: a head dim that is a
 power of two in 16..256, K and V of that same width, fp16/bf16/fp32); on the CPU ablate's native
-kernel (ablate.api.native: C compiled here, fp32, one task per sequence and KV head). Elsewhere, and
-for sequences that feed more than one token (prefill, chunks), the PyTorch path gathers every sequence's
-blocks through its table into (B, S, H_kv, D) and runs SDPA under the causal mask. A step that mixes
+kernel (ablate.api.native: C compiled here, fp32, a task per sequence, KV head or part of its
+blocks). Elsewhere, and for sequences that feed more than one token (prefill, chunks), the PyTorch
+path gathers every sequence's blocks through its table into (B, S, H_kv, D) and runs SDPA under the
+causal mask. A step that mixes
 both (continuous batching with chunked prefill) is run as two parts (StepInputs.part): its one-token
 sequences through the decode kernel, the rest through the gather.
 

@@ -118,7 +118,7 @@ def test_written_where_the_slots_would_and_refused_where_the_kernel_would_read_a
 
     # layer 1 as the two calls around the slots' work would run it, on copies
     k_ref, v_ref, x_ref = k_pools[1].clone(), v_pools[1].clone(), x.clone()
-    (q, k, v), = calls.outputs(2)
+    q, k, v = (t[0] for t in calls.outputs(2))
     calls.qkv(x_ref, cos, sin, scratch, (q, k, v))
     k_ref.flatten(0, 1).index_copy_(0, slots[0], k)
     v_ref.flatten(0, 1).index_copy_(0, slots[0], v)

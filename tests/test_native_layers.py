@@ -133,7 +133,7 @@ def test_native_calls_refuse_what_would_read_past_their_buffers():
     x, cos = torch.randn(3, d), torch.ones(3, 1, dim)
     scratch = torch.empty(3 * layer.scratch_floats)
     layer.check_step(x, cos, cos, scratch)
-    (q, k, v), = layer.outputs(3)
+    q, k, v = (t[0] for t in layer.outputs(3))
     layer.qkv(x, cos, cos, scratch, (q, k, v))
     with pytest.raises(ValueError, match="scratch"):
         layer.check_step(x, cos, cos, scratch[:-1])

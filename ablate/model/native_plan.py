@@ -65,8 +65,8 @@ class NativeLayer:
 
 
 class NativeStep(NamedTuple):
-    """A layer's native calls in one step, given to DecoderLayer.forward: the step's scratch, and its
-    q, k, v for this layer (LayerCalls.outputs)."""
+    """A layer's native calls in one step, given to DecoderLayer.forward: the step's scratch, and every
+    layer's q, k, v (LayerCalls.outputs), of which this layer's are at [layer.index]."""
     layer: NativeLayer
     scratch: torch.Tensor
     qkv: QKV
@@ -81,8 +81,8 @@ class NativeStep(NamedTuple):
                 fwd.native_layers += 1
                 fwd.one_call_layers += 1
                 return calls.paged_decode(x, *rope, self.scratch, paged.layers[index])
-        calls.qkv(x, *rope, self.scratch, self.qkv)
-        q, k, v = self.qkv
+        q, k, v = qkv = tuple(t[index] for t in self.qkv)
+        calls.qkv(x, *rope, self.scratch, qkv)
         out = fwd.attend(index, q, fwd.store(index, k, v), self.layer.features)       # (T, H, D)
         fwd.native_layers += 1
         return calls.out_mlp(x, out, self.scratch)
@@ -104,10 +104,10 @@ class NativePlan:
         (LayerCalls.outputs)."""
         scratch = torch.empty(x.shape[0] * self.widest.scratch_floats, dtype=x.dtype, device=x.device)
         self.widest.check_step(x, *rope, scratch)
-        self.widest.check_step(x, *local, scratch)
-        outputs = iter(self.widest.outputs(x.shape[0], len(self.layers)))
-        return [None if n is None or any(n.hooks) else NativeStep(n, scratch, qkv)
-                for n, qkv in zip(self.layers, outputs)]
+        if local[0] is not rope[0] or local[1] is not rope[1]:
+            self.widest.check_step(x, *local, scratch)
+        qkv = self.widest.outputs(x.shape[0], len(self.layers))
+        return [None if n is None or any(n.hooks) else NativeStep(n, scratch, qkv) for n in self.layers]
 
 
 class NativePlans:

@@ -53,14 +53,14 @@ class LayerCalls:
         # per row, for any call: q, k, v and the attention's output of a whole layer's call, then either half's
         self.scratch_floats = self.width + heads * dim + max(d + self.width, 2 * d + 3 * f)
 
-    def outputs(self, t: int, layers: int = 1) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """New q (T, H, D), k and v (T, H_kv, D) for qkv to write, for `layers` layers of this shape, in
-        three allocations: new each step, as the cache may keep k and v. Made for the whole step before
+    def outputs(self, t: int, layers: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """New q (L, T, H, D), k and v (L, T, H_kv, D) for qkv to write, layer i's at [i], for L = `layers`
+        layers of this shape: new each step, as the cache may keep k and v. Made for the whole step before
         its first product: made a layer at a time between two products, the same Python took 40 us a
-        layer on the caches the weights had emptied."""
-        q, k, v = (torch.empty(layers, t, heads, self.dim, dtype=self.dtype, device="cpu").unbind(0)
-                   for heads in (self.heads, self.kv_heads, self.kv_heads))
-        return list(zip(q, k, v))
+        layer on the caches the weights had emptied. A layer takes its own only when it runs two calls
+        (a layer in one call writes them in its scratch)."""
+        return tuple(torch.empty(layers, t, heads, self.dim, dtype=self.dtype, device="cpu")
+                     for heads in (self.heads, self.kv_heads, self.kv_heads))
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scratch: torch.Tensor,
             out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from ablate.api.context import EngineConfig
 from ablate.api.kv import PagedPlaces
+from ablate.api.plugin import PluginError
 from ablate.api.sequence import Request
 from ablate.engine.runner import ModelRunner
 from ablate.model import native
@@ -126,7 +127,7 @@ def test_written_where_the_slots_would_and_refused_where_the_kernel_would_read_a
     calls.out_mlp(x_ref, attn, scratch)
 
     untouched = k_pools[0].clone(), v_pools[0].clone()
-    paged = PagedDecode.of(calls, places, lens, 2)
+    paged = PagedDecode.of(calls, places, lens, 2, 2)
     calls.paged_decode(x, cos, sin, scratch, paged.layers[1])
     assert torch.equal(k_pools[1], k_ref) and torch.equal(v_pools[1], v_ref) and torch.equal(x, x_ref)
     assert torch.equal(k_pools[0], untouched[0]) and torch.equal(v_pools[0], untouched[1])
@@ -136,5 +137,21 @@ def test_written_where_the_slots_would_and_refused_where_the_kernel_would_read_a
                 {"k": torch.randn(2, blocks, bs, kv_heads, dim + 1)}, {"k": k_pools.double()},
                 {"v": v_pools[:, :, :2]}, {"block_tables": tables[:, :1]}, {"block_tables": tables.long()},
                 {"k": k_pools.transpose(2, 3).contiguous().transpose(2, 3)}, {"layers": ((0, 0), (2, 0))},
-                {"layers": ((0, 0), (1, 1))}):
-        assert PagedDecode.of(calls, dataclasses.replace(places, **bad), lens, 2) is None, bad
+                {"layers": ((0, 0), (1, 1))}, {"layers": ((0, 0),)}):
+        assert PagedDecode.of(calls, dataclasses.replace(places, **bad), lens, 2, 2) is None, bad
+
+
+class PlacesFail(PagedKVCache):
+    """A paged cache whose paged_slots raises."""
+
+    def paged_slots(self, step):
+        raise RuntimeError("no places today")
+
+
+def test_a_plugin_failing_to_say_where_its_rows_go_is_named(ablate_registry, fresh_product_paths):
+    """A failure inside paged_slots (or native_paged_decode) fails the arm as the plugin's, naming the
+    method, like a failure in any slot."""
+    model = LlamaModel.random(preset("tiny"))
+    fresh_product_paths.force(NATIVE)
+    with pytest.raises(PluginError, match=r"kv_cache=paged\.paged_slots: RuntimeError: no places today"):
+        run(ablate_registry.with_plugins(PlacesFail), model, arm(), 1)

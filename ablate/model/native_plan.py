@@ -73,7 +73,8 @@ class NativeStep(NamedTuple):
 
     def forward(self, x: torch.Tensor, rope: Rope, fwd: Forward) -> torch.Tensor:
         """DecoderLayer.forward's result, its x (T, d) written over: the two calls around the arm's cache
-        and attention."""
+        and attention, or, after a layer that called them on a decode step where both offer it, one call
+        with their work inside (PagedDecode)."""
         calls, index = self.layer.calls, self.layer.index
         if fwd.native_layers and self.layer.features is None:    # a layer before this one called the slots
             paged = fwd.step.memo(PAGED_DECODE, lambda: self._paged_decode(fwd, x.shape[0]))
@@ -90,7 +91,8 @@ class NativeStep(NamedTuple):
     def _paged_decode(self, fwd: Forward, rows: int) -> PagedDecode | None:
         """The step's paged cache for whole-layer calls, where the arm's cache and attention offer it."""
         places = fwd.paged_places()
-        return None if places is None else PagedDecode.of(self.layer.calls, places, fwd.step.kv_lens_t, rows)
+        layers = self.qkv[0].shape[0]       # the model's, as outputs() made them
+        return None if places is None else PagedDecode.of(self.layer.calls, places, fwd.step.kv_lens_t, rows, layers)
 
 
 @dataclass(frozen=True)

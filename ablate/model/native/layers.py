@@ -109,11 +109,12 @@ class PagedDecode(NamedTuple):
     held: tuple
 
     @classmethod
-    def of(cls, calls: LayerCalls, places: PagedPlaces, kv_lens: torch.Tensor, rows: int) -> PagedDecode | None:
+    def of(cls, calls: LayerCalls, places: PagedPlaces, kv_lens: torch.Tensor, rows: int,
+           layers: int) -> PagedDecode | None:
         """From KVCache.paged_slots' places and the step's kv_lens_t, for `rows` sequences of one query
-        each, or None where they are not what the kernels take (the C code trusts them): fp32 pools
-        (P, N, bs, H_kv, D) of the layers' shape, slots (G, rows) int64 inside a pool, block tables
-        (G, rows, width) int32, every layer's pool and group among them."""
+        each in a model of `layers` layers, or None where they are not what the kernels take (the C code
+        trusts them): fp32 pools (P, N, bs, H_kv, D) of the layers' shape, slots (G, rows) int64 inside a
+        pool, block tables (G, rows, width) int32, a pool and group among them for every layer."""
         k, v, slots, tables, lens = places.k, places.v, places.slot_mapping, places.block_tables, int32(kv_lens)
         pools, n, bs = k.shape[0], k.shape[1], k.shape[2]
         groups = slots.shape[0]
@@ -122,11 +123,11 @@ class PagedDecode(NamedTuple):
                 or slots.shape != (groups, rows) or tables.shape[:2] != (groups, rows) or tables.dim() != 3
                 or lens.shape != (rows,)
                 or not all(t.is_contiguous() and t.device.type == "cpu" for t in (k, v, slots, tables, lens))
-                or not all(0 <= p < pools and 0 <= g < groups for p, g in places.layers)
+                or len(places.layers) != layers or not all(0 <= p < pools and 0 <= g < groups for p, g in places.layers)
                 or rows and not 0 <= int(slots.min()) <= int(slots.max()) < n * bs):
             return None
         scale, width = softmax_scale(calls.dim), tables.shape[2]
         pool_bytes, slots_bytes, tables_bytes = k[0].nbytes, rows * slots.itemsize, rows * width * tables.itemsize
-        layers = [(k.data_ptr() + p * pool_bytes, v.data_ptr() + p * pool_bytes, slots.data_ptr() + g * slots_bytes,
-                   tables.data_ptr() + g * tables_bytes, lens.data_ptr(), bs, width, scale) for p, g in places.layers]
-        return cls(layers, (k, v, slots, tables, lens))
+        args = [(k.data_ptr() + p * pool_bytes, v.data_ptr() + p * pool_bytes, slots.data_ptr() + g * slots_bytes,
+                 tables.data_ptr() + g * tables_bytes, lens.data_ptr(), bs, width, scale) for p, g in places.layers]
+        return cls(args, (k, v, slots, tables, lens))

@@ -136,6 +136,8 @@ def wandb_records(run_dir: str | Path) -> list:
             pos += block - pos % block
             continue
         length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):     # wandb's service is still writing this chunk: read it next time
+            break
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind in (2, 3):
             pending += chunk

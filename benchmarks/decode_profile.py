@@ -15,7 +15,8 @@ product on the native kernel, each layer's dense arithmetic in two native calls 
 the attention, or, with --attention paged, a decode step's layer after the first in one call with its
 cache's write and the attention inside: ablate/model/native/layers.py), `native, two calls` (never
 in one) and `native, op by op` (the same kernels called one by one from Python, as before the layer
-calls); past 16 rows only `timed` (the native kernels take at most 16). Per way: the decode step's median time from the engine's recorder, and a torch.profiler
+calls); past 16 rows only `timed` (the native kernels take at most 16). Per way: the decode step's
+median time from the engine's recorder, and a torch.profiler
 breakdown of the same steps run again, each category's share of the profiled step applied to the
 unprofiled one: the products (mkldnn::_linear_pointwise, aten::mm/addmm, numpy's matmul, the native
 matvec), the layers' native calls (their products, norms, RoPE and SwiGLU; the one-call layers apart,
@@ -51,7 +52,7 @@ from ablate.measure.recorder import Recorder, StepHook
 from ablate.model import native, numpy_blas
 from ablate.model.presets import preset
 from ablate.model.forward import Forward
-from ablate.model.native_plan import NativePlans
+from ablate.model.native_plan import NativePlans, two_calls_only
 from ablate.model.native.layers import LayerCalls
 from ablate.model.linear import Linear
 from ablate.model.product_paths import PRODUCT_PATHS
@@ -87,7 +88,7 @@ def layers_as_calls(way: str):
     if way == OP_BY_OP:
         return unittest.mock.patch.object(NativePlans, "for_step", lambda self, layers, x, fwd: None)
     if way == TWO_CALLS:
-        return unittest.mock.patch.object(Forward, "paged_places", lambda self: None)
+        return two_calls_only()
     return contextlib.nullcontext()
 
 

@@ -2,6 +2,7 @@
 inside (ablate/model/native_plan.py, layers.c's layer_paged_decode): taken only where the arm's cache
 says where its rows go and its attention runs that kernel, giving the bits of the layer's slots; never
 where a plugin does more in a slot, runs another kernel, or the cache is not what the kernel takes."""
+import contextlib
 import dataclasses
 
 import pytest
@@ -13,9 +14,9 @@ from ablate.api.plugin import PluginError
 from ablate.api.sequence import Request
 from ablate.engine.runner import ModelRunner
 from ablate.model import native
-from ablate.model.forward import Forward
 from ablate.model.llama import LlamaModel
 from ablate.model.native.layers import LayerCalls, PagedDecode
+from ablate.model.native_plan import two_calls_only
 from ablate.model.presets import preset
 from ablate.model.product_paths import NATIVE
 from ablate.testing.scenarios import build
@@ -41,10 +42,8 @@ def run(registry, model: LlamaModel, arm: dict, batch: int, one_call: bool = Tru
         logits.append(eager_logits(self, step))
         return logits[-1]
 
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, contextlib.nullcontext() if one_call else two_calls_only():
         mp.setattr(ModelRunner, "_logits", logged)
-        if not one_call:
-            mp.setattr(Forward, "paged_places", lambda self: None)
         built = build(registry, arm, model, EngineConfig(max_num_seqs=batch), 96)
         try:
             built.engine.run([Request(i, tuple(range(3 + i, 3 + i + n)), 10) for i, n in enumerate(PROMPTS[:batch])])

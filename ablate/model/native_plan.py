@@ -1,5 +1,6 @@
-"""Which decoder layers of a step run as two native calls (ablate/model/native/layers.py), and the
-buffers a step's calls share.
+"""Which decoder layers of a step run as native calls (ablate/model/native/layers.py), and the
+buffers a step's calls share: two calls around the arm's cache and attention, or, on a decode step
+whose cache and attention offer it (Forward.paged_places), one call with their work inside.
 
 A layer runs so only where its eager path would run the same kernels in the same order, so that the
 choice changes no bit of the output: a plain Llama layer (DecoderLayer.native_calls_fit), fp32 on
@@ -17,6 +18,7 @@ or any global module hook, runs eagerly, as the hook expects to see that module 
 """
 from __future__ import annotations
 
+import unittest.mock
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -24,6 +26,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from ablate.model import native
+from ablate.model.forward import Forward
 from ablate.model.linear import Linear
 from ablate.model.native.layers import LayerCalls, PagedDecode
 from ablate.model.product_paths import NATIVE, PRODUCT_PATHS, row_class
@@ -32,7 +35,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ablate.api.packing import LayerAttention
-    from ablate.model.forward import Forward
 
 Rope = tuple[torch.Tensor, torch.Tensor]        # cos, sin (T, 1, D)
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -110,6 +112,13 @@ class NativePlan:
             self.widest.check_step(x, *local, scratch)
         qkv = self.widest.outputs(x.shape[0], len(self.layers))
         return [None if n is None or any(n.hooks) else NativeStep(n, scratch, qkv) for n in self.layers]
+
+
+def two_calls_only():
+    """A context in which no layer runs in one call (every native layer calls the cache and the attention
+    between its two): for the conformance kit, which checks those calls, and for timing one way against
+    the other."""
+    return unittest.mock.patch.object(Forward, "paged_places", lambda self: None)
 
 
 class NativePlans:

@@ -7,8 +7,6 @@ written, and the view is view()'s (the same pools, the same block tables).
 """
 from __future__ import annotations
 
-import unittest.mock
-
 import torch
 
 from ablate.api.context import EngineConfig
@@ -16,8 +14,8 @@ from ablate.api.kv import PagedKV, PagedPlaces
 from ablate.api.kv_cache import KVCache
 from ablate.api.plugin import Slot
 from ablate.engine.registry import Registry
-from ablate.model.forward import Forward
 from ablate.model.llama import LlamaModel
+from ablate.model.native_plan import two_calls_only
 from ablate.testing.failures import ConformanceError
 from ablate.testing.scenarios import MAX_NUM_SEQS, arm_spec, build, max_len, ragged_requests
 
@@ -40,7 +38,7 @@ def check_paged_slots(registry: Registry, slot: Slot, name: str, model: LlamaMod
             (problems if problem else checked).append(problem or layer)
 
     # every layer calls write() here (the instance's, checked), none runs the slots inside a native call
-    with unittest.mock.patch.object(Forward, "paged_places", lambda self: None):
+    with two_calls_only():
         cache.write = checked_write
         try:
             built.engine.run(requests)

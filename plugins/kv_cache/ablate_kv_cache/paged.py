@@ -77,7 +77,11 @@ class PagedKVCache(KVCache):
         self.windowed = any(group.window is not None for group in self.groups)
         # layer -> (its group, its index in the pool's layers)
         self._where = {layer: (g, i) for g, group in enumerate(self.groups) for i, layer in enumerate(group.layers)}
-        self._places = tuple((i, g) for _, (g, i) in sorted(self._where.items()))   # per layer (pool, group): paged_slots
+        # paged_slots: per layer (pool, group), where write() and view() are these (a subclass replacing
+        # one says where its rows go itself)
+        self._places = tuple((i, g) for _, (g, i) in sorted(self._where.items()))
+        self._gives_places = all(getattr(type(self), name) is getattr(PagedKVCache, name)
+                                 for name in ("write", "view", "_pool_views"))
         group_layers = len(self.groups[0].layers)
         self.block_bytes = bs * s.bytes_per_token * group_layers // s.num_layers
         self.blocks_per_seq = -(-s.max_seq_len // bs)       # the width of every block table
@@ -210,8 +214,7 @@ class PagedKVCache(KVCache):
         return PagedKV(k, v, step.memo("paged/block_tables", lambda: step.plan["block_tables"].unbind(0))[group])
 
     def paged_slots(self, step: StepInputs) -> PagedPlaces | None:
-        # where write() and view() are these: a subclass replacing one says where its rows go itself
-        if any(getattr(type(self), name) is not getattr(PagedKVCache, name) for name in ("write", "view", "_pool_views")):
+        if not self._gives_places:
             return None
         return PagedPlaces(self.k, self.v, step.plan["slot_mapping"], step.plan["block_tables"], self._places)
 
